@@ -1,0 +1,308 @@
+//! Configuration: the raw TOML mirror ([`raw`]) is validated into the typed
+//! [`Config`] the rest of the crate uses.
+//!
+//! Loading never panics on bad input: every problem found is collected into
+//! one [`ConfigError`] that names the file and each offending field.
+
+mod raw;
+mod route;
+mod validate;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::{HeaderName, Method, Uri};
+
+pub use route::{PathPattern, RouteMatch};
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub upstream: UpstreamConfig,
+    pub store: StoreConfig,
+    pub routes: Vec<Route>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    /// `None` when `admin_listen = ""`.
+    pub admin_listen: Option<SocketAddr>,
+    pub tls: Option<TlsConfig>,
+    pub max_request_body: u64,
+    pub header_read_timeout: Duration,
+    pub shutdown_grace: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct TlsConfig {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Clone)]
+pub struct UpstreamConfig {
+    pub url: Uri,
+    pub connect_timeout: Duration,
+    pub timeout: Duration,
+    pub ca: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub backend: StoreBackend,
+    pub on_error: OnStoreError,
+    /// Deadline of one store operation.
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub enum StoreBackend {
+    Memory { max_memory: u64 },
+    Embedded { path: PathBuf },
+    Redis { url: String },
+    RedisCluster { urls: Vec<String> },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnStoreError {
+    Reject,
+    Pass,
+}
+
+/// One `[[route]]` with every policy field resolved.
+#[derive(Debug, Clone)]
+pub struct Route {
+    pub name: String,
+    pub path: PathPattern,
+    pub host: Option<String>,
+    /// This route's backend, if not `[upstream].url`.
+    pub upstream: Option<Uri>,
+    pub policy: Policy,
+}
+
+/// What idemgate does on a route: `[defaults]` overridden field by field.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    pub methods: Vec<Method>,
+    pub ttl: Duration,
+    pub lock_timeout: Duration,
+    pub scope: Vec<HeaderName>,
+    pub on_in_flight: OnInFlight,
+    pub wait_timeout: Duration,
+    pub on_server_error: OnServerError,
+    pub on_upstream_failure: OnUpstreamFailure,
+    pub refresh_ttl_on_replay: bool,
+    pub max_response_body: u64,
+    /// `None` when the key is not forwarded upstream.
+    pub forward_key_header: Option<HeaderName>,
+    pub replay_drop_headers: Vec<HeaderName>,
+    pub mode: Mode,
+    pub key: KeyPolicy,
+    pub fingerprint: FingerprintPolicy,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnInFlight {
+    Reject,
+    Wait,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnServerError {
+    Release,
+    Store,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnUpstreamFailure {
+    Release,
+    Unknown,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Enforce,
+    Shadow,
+}
+
+#[derive(Debug, Clone)]
+pub struct KeyPolicy {
+    pub header: HeaderName,
+    pub required: bool,
+    pub max_length: usize,
+    /// Fields a key is derived from when the header is absent; empty: none.
+    pub derive: Vec<DeriveField>,
+}
+
+/// One entry of `key.derive`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeriveField {
+    /// `body:/json/pointer`
+    Body(String),
+    /// `header:name`
+    Header(HeaderName),
+    /// `path:param`
+    Path(String),
+    /// `query:name`
+    Query(String),
+}
+
+impl fmt::Display for DeriveField {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeriveField::Body(p) => write!(f, "body:{p}"),
+            DeriveField::Header(h) => write!(f, "header:{h}"),
+            DeriveField::Path(p) => write!(f, "path:{p}"),
+            DeriveField::Query(q) => write!(f, "query:{q}"),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct FingerprintPolicy {
+    pub headers: Vec<HeaderName>,
+    pub body: BodyMode,
+    /// JSON pointers left out with `body = "json"`.
+    pub ignore: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyMode {
+    Raw,
+    Json,
+    None,
+}
+
+/// Everything wrong with one configuration file.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: cannot read: {source}")]
+    Read {
+        file: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{file}: {message}")]
+    Parse { file: String, message: String },
+    #[error("{file}: {} problem(s):\n{}", .problems.len(), list(.problems))]
+    Invalid { file: String, problems: Vec<Problem> },
+}
+
+/// One invalid field: where it is, and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+fn list(problems: &[Problem]) -> String {
+    problems
+        .iter()
+        .map(|p| format!("  - {p}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+impl Config {
+    /// Reads and validates the file at `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            file: file.clone(),
+            source,
+        })?;
+        Config::parse(&text, &file)
+    }
+
+    /// Validates TOML `text`; `file` names it in errors.
+    pub fn parse(text: &str, file: &str) -> Result<Config, ConfigError> {
+        let raw: raw::RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            file: file.to_string(),
+            message: e.to_string().trim_end().to_string(),
+        })?;
+        validate::validate(raw).map_err(|problems| ConfigError::Invalid {
+            file: file.to_string(),
+            problems,
+        })
+    }
+
+    /// The upstream of `route`.
+    pub fn upstream_of<'a>(&'a self, route: &'a Route) -> &'a Uri {
+        route.upstream.as_ref().unwrap_or(&self.upstream.url)
+    }
+}
+
+impl Route {
+    /// Whether `method` is one this route makes idempotent.
+    pub fn accepts(&self, method: &Method) -> bool {
+        self.policy.methods.contains(method)
+    }
+}
+
+/// The effective routes, one block each, as `idemgate check` prints them.
+pub fn describe(config: &Config) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let d = |d: Duration| humantime::format_duration(d).to_string();
+    let names = |v: &[HeaderName]| v.iter().map(|h| h.as_str()).collect::<Vec<_>>().join(", ");
+    let _ = writeln!(
+        out,
+        "listen {}  upstream {}  store {:?}",
+        config.server.listen, config.upstream.url, config.store.backend
+    );
+    for route in &config.routes {
+        let p = &route.policy;
+        let methods: Vec<&str> = p.methods.iter().map(Method::as_str).collect();
+        let key = if p.key.derive.is_empty() {
+            format!("header {} (required: {})", p.key.header, p.key.required)
+        } else {
+            let fields: Vec<String> = p.key.derive.iter().map(ToString::to_string).collect();
+            format!("header {}, else derived from [{}]", p.key.header, fields.join(", "))
+        };
+        let _ = writeln!(out, "route {}", route.name);
+        let _ = writeln!(
+            out,
+            "  match    {} {}{}",
+            methods.join(","),
+            route.path,
+            route.host.as_ref().map(|h| format!(" host {h}")).unwrap_or_default()
+        );
+        let _ = writeln!(out, "  upstream {}", config.upstream_of(route));
+        let _ = writeln!(out, "  key      {key}; scope [{}]", names(&p.scope));
+        let _ = writeln!(
+            out,
+            "  ttl      {}  lock_timeout {}  refresh_ttl_on_replay {}",
+            d(p.ttl),
+            d(p.lock_timeout),
+            p.refresh_ttl_on_replay
+        );
+        let _ = writeln!(
+            out,
+            "  on       in_flight {:?} (wait {})  server_error {:?}  upstream_failure {:?}  mode {:?}",
+            p.on_in_flight,
+            d(p.wait_timeout),
+            p.on_server_error,
+            p.on_upstream_failure,
+            p.mode
+        );
+        let _ = writeln!(
+            out,
+            "  fingerprint body {:?} headers [{}] ignore [{}]; max_response_body {}",
+            p.fingerprint.body,
+            names(&p.fingerprint.headers),
+            p.fingerprint.ignore.join(", "),
+            p.max_response_body
+        );
+    }
+    out
+}

@@ -1,0 +1,128 @@
+//! The raw serde mirror of the TOML file.
+//!
+//! Every field is optional and every scalar that needs parsing (durations,
+//! sizes, enum names) is kept as a string here, so that deserialisation only
+//! fails on the shape of the file (unknown fields, wrong types) and all the
+//! value problems can be collected and reported together by
+//! [`super::validate`].
+
+use serde::Deserialize;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    #[serde(default)]
+    pub server: RawServer,
+    #[serde(default)]
+    pub upstream: RawUpstream,
+    #[serde(default)]
+    pub store: RawStore,
+    #[serde(default)]
+    pub defaults: RawPolicy,
+    #[serde(default)]
+    pub route: Vec<RawRoute>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServer {
+    pub listen: Option<String>,
+    pub admin_listen: Option<String>,
+    pub tls: Option<RawTls>,
+    pub max_request_body: Option<RawSize>,
+    pub header_read_timeout: Option<String>,
+    pub shutdown_grace: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTls {
+    pub cert: String,
+    pub key: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawUpstream {
+    pub url: Option<String>,
+    pub connect_timeout: Option<String>,
+    pub timeout: Option<String>,
+    pub ca: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawStore {
+    pub backend: Option<String>,
+    pub path: Option<String>,
+    pub url: Option<String>,
+    pub urls: Option<Vec<String>>,
+    pub max_memory: Option<RawSize>,
+    pub on_error: Option<String>,
+    pub timeout: Option<String>,
+}
+
+/// A size: a plain integer of bytes or a string such as `"64KiB"`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum RawSize {
+    Bytes(u64),
+    Text(String),
+}
+
+/// The policy fields shared by `[defaults]` and every `[[route]]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPolicy {
+    pub methods: Option<Vec<String>>,
+    pub ttl: Option<String>,
+    pub lock_timeout: Option<String>,
+    pub scope: Option<Vec<String>>,
+    pub on_in_flight: Option<String>,
+    pub wait_timeout: Option<String>,
+    pub on_server_error: Option<String>,
+    pub on_upstream_failure: Option<String>,
+    pub refresh_ttl_on_replay: Option<bool>,
+    pub max_response_body: Option<RawSize>,
+    pub forward_key_header: Option<String>,
+    pub replay_drop_headers: Option<Vec<String>>,
+    pub mode: Option<String>,
+    #[serde(default)]
+    pub key: RawKey,
+    #[serde(default)]
+    pub fingerprint: RawFingerprint,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawKey {
+    pub header: Option<String>,
+    pub required: Option<bool>,
+    pub max_length: Option<u64>,
+    pub derive: Option<Vec<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawFingerprint {
+    pub headers: Option<Vec<String>>,
+    pub body: Option<String>,
+    pub ignore: Option<Vec<String>>,
+}
+
+/// One `[[route]]`: its identity, and the policy fields it overrides.
+///
+/// The policy is flattened into the route table. serde cannot deny unknown
+/// fields through `flatten`, so whatever neither part knows lands in
+/// `unknown`, and validation reports it.
+#[derive(Debug, Deserialize)]
+pub struct RawRoute {
+    pub name: Option<String>,
+    pub path: Option<String>,
+    pub host: Option<String>,
+    pub upstream: Option<String>,
+    #[serde(flatten)]
+    pub policy: RawPolicy,
+    #[serde(flatten)]
+    pub unknown: std::collections::BTreeMap<String, toml::Value>,
+}

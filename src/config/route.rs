@@ -1,0 +1,172 @@
+//! Route path patterns: exact segments, `{param}` for one segment and
+//! `{*rest}` for the remainder of the path.
+
+use std::fmt;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Segment {
+    Literal(String),
+    Param(String),
+    Rest(String),
+}
+
+/// A parsed `path` of a route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathPattern {
+    source: String,
+    segments: Vec<Segment>,
+}
+
+/// The parameters a matching path bound, in pattern order.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RouteMatch {
+    pub params: Vec<(String, String)>,
+}
+
+impl RouteMatch {
+    pub fn param(&self, name: &str) -> Option<&str> {
+        self.params.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+}
+
+impl PathPattern {
+    /// Parses a pattern such as `/v1/orders/{id}` or `/files/{*rest}`.
+    pub fn parse(source: &str) -> Result<PathPattern, String> {
+        if !source.starts_with('/') {
+            return Err(format!("`{source}` must start with `/`"));
+        }
+        let mut segments = Vec::new();
+        let mut names: Vec<&str> = Vec::new();
+        let parts: Vec<&str> = source[1..].split('/').collect();
+        for (i, part) in parts.iter().enumerate() {
+            let segment = if let Some(inner) = part.strip_prefix('{').and_then(|p| p.strip_suffix('}')) {
+                let (name, rest) = match inner.strip_prefix('*') {
+                    Some(name) => (name, true),
+                    None => (inner, false),
+                };
+                if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                    return Err(format!(
+                        "`{source}`: parameter `{part}` needs a name of letters, digits and `_`"
+                    ));
+                }
+                if names.contains(&name) {
+                    return Err(format!("`{source}`: parameter `{name}` appears twice"));
+                }
+                names.push(name);
+                if rest {
+                    if i + 1 != parts.len() {
+                        return Err(format!("`{source}`: `{part}` must be the last segment"));
+                    }
+                    Segment::Rest(name.to_string())
+                } else {
+                    Segment::Param(name.to_string())
+                }
+            } else {
+                if part.contains(['{', '}']) {
+                    return Err(format!(
+                        "`{source}`: segment `{part}` mixes text and braces; a parameter is a whole segment"
+                    ));
+                }
+                if part.contains(['?', '#']) {
+                    return Err(format!("`{source}`: a path pattern has no query or fragment"));
+                }
+                Segment::Literal(part.to_string())
+            };
+            segments.push(segment);
+        }
+        Ok(PathPattern {
+            source: source.to_string(),
+            segments,
+        })
+    }
+
+    /// Whether the pattern names a path parameter `name`.
+    pub fn has_param(&self, name: &str) -> bool {
+        self.segments.iter().any(|s| match s {
+            Segment::Param(n) | Segment::Rest(n) => n == name,
+            Segment::Literal(_) => false,
+        })
+    }
+
+    /// Matches a request path (without its query).
+    pub fn matches(&self, path: &str) -> Option<RouteMatch> {
+        let rest_of = path.strip_prefix('/')?;
+        let mut remaining = Some(rest_of);
+        let mut found = RouteMatch::default();
+        for segment in &self.segments {
+            let current = remaining?;
+            match segment {
+                Segment::Rest(name) => {
+                    found.params.push((name.clone(), current.to_string()));
+                    return Some(found);
+                }
+                Segment::Literal(_) | Segment::Param(_) => {
+                    let (head, tail) = match current.split_once('/') {
+                        Some((h, t)) => (h, Some(t)),
+                        None => (current, None),
+                    };
+                    match segment {
+                        Segment::Literal(lit) if lit == head => {}
+                        Segment::Param(name) if !head.is_empty() => {
+                            found.params.push((name.clone(), head.to_string()));
+                        }
+                        _ => return None,
+                    }
+                    remaining = tail;
+                }
+            }
+        }
+        remaining.is_none().then_some(found)
+    }
+}
+
+impl fmt::Display for PathPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.source)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exact_paths_match_only_themselves() {
+        let p = PathPattern::parse("/v1/orders").unwrap();
+        assert!(p.matches("/v1/orders").is_some());
+        assert!(p.matches("/v1/orders/").is_none());
+        assert!(p.matches("/v1/orders/7").is_none());
+        assert!(p.matches("/v1").is_none());
+    }
+
+    #[test]
+    fn params_bind_one_non_empty_segment() {
+        let p = PathPattern::parse("/v1/orders/{id}/lines").unwrap();
+        let m = p.matches("/v1/orders/42/lines").unwrap();
+        assert_eq!(m.param("id"), Some("42"));
+        assert!(p.matches("/v1/orders//lines").is_none());
+        assert!(p.matches("/v1/orders/4/2/lines").is_none());
+    }
+
+    #[test]
+    fn rest_binds_the_remainder() {
+        let p = PathPattern::parse("/files/{*rest}").unwrap();
+        assert_eq!(p.matches("/files/a/b/c").unwrap().param("rest"), Some("a/b/c"));
+        assert_eq!(p.matches("/files/").unwrap().param("rest"), Some(""));
+        assert!(p.matches("/files").is_none());
+    }
+
+    #[test]
+    fn root_pattern() {
+        let p = PathPattern::parse("/").unwrap();
+        assert!(p.matches("/").is_some());
+        assert!(p.matches("/x").is_none());
+    }
+
+    #[test]
+    fn bad_patterns_are_refused() {
+        for bad in ["orders", "/a/{}", "/a/{*r}/b", "/a/x{id}", "/a/{id}/{id}", "/a?b"] {
+            assert!(PathPattern::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,495 @@
+//! Raw configuration -> validated [`Config`], collecting every problem.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use http::{HeaderName, Method, Uri};
+
+use super::raw::{RawConfig, RawPolicy, RawSize};
+use super::*;
+
+/// Collects problems while fields are parsed.
+struct Checker {
+    problems: Vec<Problem>,
+}
+
+impl Checker {
+    fn problem(&mut self, field: &str, message: impl Into<String>) {
+        self.problems.push(Problem {
+            field: field.to_string(),
+            message: message.into(),
+        });
+    }
+
+    /// Parses a field when present, otherwise keeps `default`.
+    fn field<R, T>(
+        &mut self,
+        field: &str,
+        raw: Option<&R>,
+        default: T,
+        parse: impl FnOnce(&R) -> Result<T, String>,
+    ) -> T {
+        match raw {
+            None => default,
+            Some(raw) => match parse(raw) {
+                Ok(v) => v,
+                Err(message) => {
+                    self.problem(field, message);
+                    default
+                }
+            },
+        }
+    }
+
+    fn duration(&mut self, field: &str, raw: Option<&String>, default: Duration) -> Duration {
+        self.field(field, raw, default, |s| parse_duration(s))
+    }
+
+    fn positive_duration(&mut self, field: &str, raw: Option<&String>, default: Duration) -> Duration {
+        self.field(field, raw, default, |s| {
+            let d = parse_duration(s)?;
+            if d.is_zero() {
+                Err("must be longer than zero".to_string())
+            } else {
+                Ok(d)
+            }
+        })
+    }
+
+    fn size(&mut self, field: &str, raw: Option<&RawSize>, default: u64) -> u64 {
+        self.field(field, raw, default, parse_size)
+    }
+
+    fn headers(&mut self, field: &str, raw: Option<&Vec<String>>, default: &[HeaderName]) -> Vec<HeaderName> {
+        self.field(field, raw, default.to_vec(), |names| {
+            names.iter().map(|n| header_name(n)).collect()
+        })
+    }
+
+    fn choice<T: Copy>(&mut self, field: &str, raw: Option<&String>, default: T, options: &[(&str, T)]) -> T {
+        self.field(field, raw, default, |s| {
+            options
+                .iter()
+                .find(|(name, _)| name == s)
+                .map(|(_, v)| *v)
+                .ok_or_else(|| {
+                    let names: Vec<String> = options.iter().map(|(n, _)| format!("\"{n}\"")).collect();
+                    format!("unknown value \"{s}\": expected one of {}", names.join(", "))
+                })
+        })
+    }
+}
+
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim())
+        .map_err(|e| format!("`{s}` is not a duration ({e}); write e.g. \"500ms\", \"30s\", \"24h\", \"7d\""))
+}
+
+/// Sizes: plain bytes, or a number with B, KiB, MiB or GiB (powers of 1024).
+pub fn parse_size(raw: &RawSize) -> Result<u64, String> {
+    let text = match raw {
+        RawSize::Bytes(n) => return Ok(*n),
+        RawSize::Text(t) => t.trim(),
+    };
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (digits, unit) = text.split_at(split);
+    let unit_size: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => {
+            return Err(format!(
+                "`{text}` is not a size: write bytes, or a whole number with B, KiB, MiB or GiB, e.g. \"64KiB\""
+            ));
+        }
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(unit_size))
+        .ok_or_else(|| format!("`{text}` is not a size: write a whole number with B, KiB, MiB or GiB, e.g. \"64KiB\""))
+}
+
+fn header_name(s: &str) -> Result<HeaderName, String> {
+    HeaderName::from_bytes(s.trim().as_bytes()).map_err(|_| format!("`{s}` is not a valid header name"))
+}
+
+fn upstream_url(s: &str) -> Result<Uri, String> {
+    let uri: Uri = s.parse().map_err(|e| format!("`{s}` is not a URL ({e})"))?;
+    match uri.scheme_str() {
+        Some("http") | Some("https") => {}
+        _ => return Err(format!("`{s}` must start with http:// or https://")),
+    }
+    if uri.authority().is_none() {
+        return Err(format!("`{s}` has no host"));
+    }
+    if uri.path() != "/" && !uri.path().is_empty() || uri.query().is_some() {
+        return Err(format!("`{s}` must be scheme://host[:port] without a path"));
+    }
+    Ok(uri)
+}
+
+fn socket_addr(s: &str) -> Result<SocketAddr, String> {
+    s.parse()
+        .map_err(|_| format!("`{s}` is not an address:port such as \"127.0.0.1:8080\""))
+}
+
+fn derive_field(s: &str) -> Result<DeriveField, String> {
+    let (kind, rest) = s
+        .split_once(':')
+        .ok_or_else(|| format!("`{s}` must be one of body:/pointer, header:name, path:param, query:name"))?;
+    match kind {
+        "body" if rest.is_empty() || rest.starts_with('/') => Ok(DeriveField::Body(rest.to_string())),
+        "body" => Err(format!(
+            "`{s}`: a body field is a JSON pointer starting with `/`, e.g. body:/order/id"
+        )),
+        "header" => header_name(rest).map(DeriveField::Header),
+        "path" if !rest.is_empty() => Ok(DeriveField::Path(rest.to_string())),
+        "query" if !rest.is_empty() => Ok(DeriveField::Query(rest.to_string())),
+        _ => Err(format!(
+            "`{s}` must be one of body:/pointer, header:name, path:param, query:name"
+        )),
+    }
+}
+
+fn builtin_policy() -> Policy {
+    Policy {
+        methods: vec![Method::POST, Method::PATCH],
+        ttl: Duration::from_secs(24 * 3600),
+        lock_timeout: Duration::from_secs(30),
+        scope: vec![http::header::AUTHORIZATION],
+        on_in_flight: OnInFlight::Reject,
+        wait_timeout: Duration::from_secs(10),
+        on_server_error: OnServerError::Release,
+        on_upstream_failure: OnUpstreamFailure::Release,
+        refresh_ttl_on_replay: false,
+        max_response_body: 1 << 20,
+        forward_key_header: Some(HeaderName::from_static("idempotency-key")),
+        replay_drop_headers: vec![http::header::SET_COOKIE],
+        mode: Mode::Enforce,
+        key: KeyPolicy {
+            header: HeaderName::from_static("idempotency-key"),
+            required: true,
+            max_length: 255,
+            derive: Vec::new(),
+        },
+        fingerprint: FingerprintPolicy {
+            headers: vec![http::header::CONTENT_TYPE],
+            body: BodyMode::Raw,
+            ignore: Vec::new(),
+        },
+    }
+}
+
+/// `raw` overrides `base` field by field; problems are named under `at`.
+fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
+    let f = |name: &str| format!("{at}.{name}");
+    let methods = c.field(&f("methods"), raw.methods.as_ref(), base.methods.clone(), |ms| {
+        ms.iter()
+            .map(|m| {
+                let m = m.trim();
+                if m.is_empty() || !m.bytes().all(|b| b.is_ascii_uppercase()) {
+                    return Err(format!("`{m}` is not an HTTP method in capitals, e.g. \"POST\""));
+                }
+                Method::from_bytes(m.as_bytes()).map_err(|_| format!("`{m}` is not an HTTP method"))
+            })
+            .collect()
+    });
+    let forward_key_header = c.field(
+        &f("forward_key_header"),
+        raw.forward_key_header.as_ref(),
+        base.forward_key_header.clone(),
+        |s| {
+            if s.is_empty() {
+                Ok(None)
+            } else {
+                header_name(s).map(Some)
+            }
+        },
+    );
+    let key_at = format!("{at}.key");
+    let kf = |name: &str| format!("{key_at}.{name}");
+    let key = KeyPolicy {
+        header: c.field(&kf("header"), raw.key.header.as_ref(), base.key.header.clone(), |s| {
+            header_name(s)
+        }),
+        required: raw.key.required.unwrap_or(base.key.required),
+        max_length: c.field(
+            &kf("max_length"),
+            raw.key.max_length.as_ref(),
+            base.key.max_length,
+            |n| {
+                if *n == 0 {
+                    Err("must be at least 1".to_string())
+                } else {
+                    usize::try_from(*n).map_err(|_| "is too large".to_string())
+                }
+            },
+        ),
+        derive: c.field(
+            &kf("derive"),
+            raw.key.derive.as_ref(),
+            base.key.derive.clone(),
+            |list| {
+                let mut fields = list.iter().map(|s| derive_field(s)).collect::<Result<Vec<_>, _>>()?;
+                fields.sort_by_key(|f| f.to_string());
+                fields.dedup();
+                Ok(fields)
+            },
+        ),
+    };
+    let fp = &raw.fingerprint;
+    let fingerprint = FingerprintPolicy {
+        headers: c.headers(
+            &format!("{at}.fingerprint.headers"),
+            fp.headers.as_ref(),
+            &base.fingerprint.headers,
+        ),
+        body: c.choice(
+            &format!("{at}.fingerprint.body"),
+            fp.body.as_ref(),
+            base.fingerprint.body,
+            &[
+                ("raw", BodyMode::Raw),
+                ("json", BodyMode::Json),
+                ("none", BodyMode::None),
+            ],
+        ),
+        ignore: c.field(
+            &format!("{at}.fingerprint.ignore"),
+            fp.ignore.as_ref(),
+            base.fingerprint.ignore.clone(),
+            |list| {
+                for p in list {
+                    if !p.starts_with('/') {
+                        return Err(format!(
+                            "`{p}` is not a JSON pointer: it starts with `/`, e.g. \"/timestamp\""
+                        ));
+                    }
+                }
+                Ok(list.clone())
+            },
+        ),
+    };
+    Policy {
+        methods,
+        ttl: c.positive_duration(&f("ttl"), raw.ttl.as_ref(), base.ttl),
+        lock_timeout: c.positive_duration(&f("lock_timeout"), raw.lock_timeout.as_ref(), base.lock_timeout),
+        scope: c.headers(&f("scope"), raw.scope.as_ref(), &base.scope),
+        on_in_flight: c.choice(
+            &f("on_in_flight"),
+            raw.on_in_flight.as_ref(),
+            base.on_in_flight,
+            &[("reject", OnInFlight::Reject), ("wait", OnInFlight::Wait)],
+        ),
+        wait_timeout: c.positive_duration(&f("wait_timeout"), raw.wait_timeout.as_ref(), base.wait_timeout),
+        on_server_error: c.choice(
+            &f("on_server_error"),
+            raw.on_server_error.as_ref(),
+            base.on_server_error,
+            &[("release", OnServerError::Release), ("store", OnServerError::Store)],
+        ),
+        on_upstream_failure: c.choice(
+            &f("on_upstream_failure"),
+            raw.on_upstream_failure.as_ref(),
+            base.on_upstream_failure,
+            &[
+                ("release", OnUpstreamFailure::Release),
+                ("unknown", OnUpstreamFailure::Unknown),
+            ],
+        ),
+        refresh_ttl_on_replay: raw.refresh_ttl_on_replay.unwrap_or(base.refresh_ttl_on_replay),
+        max_response_body: c.size(
+            &f("max_response_body"),
+            raw.max_response_body.as_ref(),
+            base.max_response_body,
+        ),
+        forward_key_header,
+        replay_drop_headers: c.headers(
+            &f("replay_drop_headers"),
+            raw.replay_drop_headers.as_ref(),
+            &base.replay_drop_headers,
+        ),
+        mode: c.choice(
+            &f("mode"),
+            raw.mode.as_ref(),
+            base.mode,
+            &[("enforce", Mode::Enforce), ("shadow", Mode::Shadow)],
+        ),
+        key,
+        fingerprint,
+    }
+}
+
+pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
+    let mut c = Checker { problems: Vec::new() };
+    let s = &raw.server;
+    let server = ServerConfig {
+        listen: c.field(
+            "server.listen",
+            s.listen.as_ref(),
+            SocketAddr::from(([127, 0, 0, 1], 8080)),
+            |a| socket_addr(a),
+        ),
+        admin_listen: c.field(
+            "server.admin_listen",
+            s.admin_listen.as_ref(),
+            Some(SocketAddr::from(([127, 0, 0, 1], 9901))),
+            |a| {
+                if a.is_empty() {
+                    Ok(None)
+                } else {
+                    socket_addr(a).map(Some)
+                }
+            },
+        ),
+        tls: s.tls.as_ref().map(|t| TlsConfig {
+            cert: PathBuf::from(&t.cert),
+            key: PathBuf::from(&t.key),
+        }),
+        max_request_body: c.size("server.max_request_body", s.max_request_body.as_ref(), 1 << 20),
+        header_read_timeout: c.positive_duration(
+            "server.header_read_timeout",
+            s.header_read_timeout.as_ref(),
+            Duration::from_secs(10),
+        ),
+        shutdown_grace: c.duration(
+            "server.shutdown_grace",
+            s.shutdown_grace.as_ref(),
+            Duration::from_secs(30),
+        ),
+    };
+
+    let u = &raw.upstream;
+    let placeholder: Uri = Uri::from_static("http://127.0.0.1:3000");
+    let url = match &u.url {
+        None => {
+            c.problem("upstream.url", "is required, e.g. url = \"http://127.0.0.1:3000\"");
+            placeholder
+        }
+        Some(url) => c.field("upstream.url", Some(url), placeholder, |s| upstream_url(s)),
+    };
+    let upstream = UpstreamConfig {
+        url,
+        connect_timeout: c.positive_duration(
+            "upstream.connect_timeout",
+            u.connect_timeout.as_ref(),
+            Duration::from_secs(2),
+        ),
+        timeout: c.positive_duration("upstream.timeout", u.timeout.as_ref(), Duration::from_secs(30)),
+        ca: u.ca.as_ref().map(PathBuf::from),
+    };
+
+    let st = &raw.store;
+    let backend_name = st.backend.as_deref().unwrap_or("embedded");
+    let backend = match backend_name {
+        "memory" => StoreBackend::Memory {
+            max_memory: c.size("store.max_memory", st.max_memory.as_ref(), 256 << 20),
+        },
+        "embedded" => StoreBackend::Embedded {
+            path: PathBuf::from(st.path.as_deref().unwrap_or("idemgate.redb")),
+        },
+        "redis" => match (&st.url, &st.urls) {
+            (Some(_), Some(_)) => {
+                c.problem(
+                    "store.urls",
+                    "give either `url` (one Redis) or `urls` (a Redis Cluster), not both",
+                );
+                StoreBackend::Redis { url: String::new() }
+            }
+            (None, Some(urls)) if urls.is_empty() => {
+                c.problem("store.urls", "lists no cluster node");
+                StoreBackend::Redis { url: String::new() }
+            }
+            (None, Some(urls)) => StoreBackend::RedisCluster { urls: urls.clone() },
+            (url, None) => StoreBackend::Redis {
+                url: url.clone().unwrap_or_else(|| "redis://127.0.0.1:6379/0".to_string()),
+            },
+        },
+        other => {
+            c.problem(
+                "store.backend",
+                format!("unknown value \"{other}\": expected one of \"memory\", \"embedded\", \"redis\""),
+            );
+            StoreBackend::Memory { max_memory: 0 }
+        }
+    };
+    let store = StoreConfig {
+        backend,
+        on_error: c.choice(
+            "store.on_error",
+            st.on_error.as_ref(),
+            OnStoreError::Reject,
+            &[("reject", OnStoreError::Reject), ("pass", OnStoreError::Pass)],
+        ),
+        timeout: c.positive_duration("store.timeout", st.timeout.as_ref(), Duration::from_secs(1)),
+    };
+
+    let defaults = policy(&mut c, &raw.defaults, &builtin_policy(), "defaults");
+    let mut routes: Vec<Route> = Vec::new();
+    for (i, r) in raw.route.iter().enumerate() {
+        let at = format!("route[{i}]");
+        for field in r.unknown.keys() {
+            c.problem(&format!("{at}.{field}"), "unknown field");
+        }
+        let name = match &r.name {
+            Some(n) if !n.trim().is_empty() => n.clone(),
+            _ => {
+                c.problem(&format!("{at}.name"), "is required and must not be empty");
+                String::new()
+            }
+        };
+        if !name.is_empty() && routes.iter().any(|other| other.name == name) {
+            c.problem(
+                &format!("{at}.name"),
+                format!("\"{name}\" is already the name of another route"),
+            );
+        }
+        let path = match &r.path {
+            None => {
+                c.problem(&format!("{at}.path"), "is required, e.g. path = \"/v1/orders\"");
+                PathPattern::parse("/").expect("`/` is a pattern")
+            }
+            Some(p) => c.field(
+                &format!("{at}.path"),
+                Some(p),
+                PathPattern::parse("/").expect("`/` is a pattern"),
+                |p| PathPattern::parse(p),
+            ),
+        };
+        let upstream = c.field(&format!("{at}.upstream"), r.upstream.as_ref(), None, |s| {
+            upstream_url(s).map(Some)
+        });
+        let policy = policy(&mut c, &r.policy, &defaults, &at);
+        for field in &policy.key.derive {
+            if let DeriveField::Path(param) = field
+                && !path.has_param(param)
+            {
+                c.problem(
+                    &format!("{at}.key.derive"),
+                    format!("`path:{param}`: the route path `{path}` has no parameter `{{{param}}}`"),
+                );
+            }
+        }
+        routes.push(Route {
+            name,
+            path,
+            host: r.host.as_ref().map(|h| h.to_ascii_lowercase()),
+            upstream,
+            policy,
+        });
+    }
+
+    if c.problems.is_empty() {
+        Ok(Config {
+            server,
+            upstream,
+            store,
+            routes,
+        })
+    } else {
+        Err(c.problems)
+    }
+}

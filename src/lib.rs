@@ -1,0 +1,52 @@
+//! idemgate: a reverse proxy that makes state-changing calls to an
+//! unmodified API safe to retry.
+//!
+//! For each configured route it reads the client's `Idempotency-Key` (or
+//! derives one from an allow-list of request fields), claims the key in a
+//! store before the backend sees anything, records the backend's answer
+//! under the key and a fingerprint of the request, and replays that answer
+//! to every retry. A retry of a request still in flight gets 409 (or waits);
+//! a key reused for a different request gets 422.
+//!
+//! # Map
+//!
+//! - [`config`]: the TOML file, as a raw serde mirror validated into
+//!   [`config::Config`]; every problem is reported at once, by field.
+//! - [`server`]: the accept loop (HTTP/1.1 and h2c), the admin listener
+//!   (`/healthz`, `/readyz`, `/metrics`) and graceful shutdown.
+//! - [`proxy`]: the request pipeline, one step a file: route, key, body,
+//!   fingerprint, claim, exchange (forward, stream, record), problem.
+//! - [`store`]: the [`store::Store`] contract and its backends.
+//! - [`telemetry`]: tracing setup and the metrics.
+//!
+//! # The life of a request
+//!
+//! ```text
+//! client ──> route? ──no──> pass-through (streamed both ways)
+//!              │yes
+//!              v
+//!            key (header | derived) ── bad/missing ──> 400
+//!              v
+//!            body (buffered, ≤ max_request_body) ── larger ──> 413
+//!              v
+//!            fingerprint + record key (scope, key)
+//!              v
+//!            claim ── completed, same fingerprint ──> replay (Idempotent-Replayed: true)
+//!              │   ── other fingerprint ───────────> 422 key-reused
+//!              │   ── in flight ───────────────────> 409 + Retry-After, or wait
+//!              │   ── store down ──────────────────> 503, or forward (on_error = "pass")
+//!              v claimed (spawned task: survives a client hang-up, renews its lease)
+//!            forward ──> upstream
+//!              v
+//!            stream the answer, holding back its last byte
+//!              v
+//!            complete the record (or release on 5xx / failure)
+//!              v
+//!            last byte ──> client
+//! ```
+
+pub mod config;
+pub mod proxy;
+pub mod server;
+pub mod store;
+pub mod telemetry;

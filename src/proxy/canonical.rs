@@ -1,0 +1,136 @@
+//! Canonical JSON, after RFC 8785: object members sorted by key, array order
+//! kept, numbers in one form, no insignificant whitespace.
+//!
+//! Nesting depth is bounded by `serde_json`'s parser (128 levels), so the
+//! recursion here cannot overflow the stack on a hostile body.
+//!
+//! Differences from RFC 8785, both harmless for hashing: members are sorted
+//! by UTF-8 bytes rather than UTF-16 code units, and numbers are written by
+//! Rust's shortest round-trip formatting (integral values below 2^53 as
+//! integers, so `1`, `1.0` and `1e0` are one number).
+
+use serde_json::Value;
+
+/// Writes `value` canonically into `out`.
+pub fn write(value: &Value, out: &mut Vec<u8>) {
+    match value {
+        Value::Null => out.extend_from_slice(b"null"),
+        Value::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
+        Value::Number(n) => write_number(n, out),
+        Value::String(s) => write_string(s, out),
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write(item, out);
+            }
+            out.push(b']');
+        }
+        Value::Object(map) => {
+            // serde_json's default map is a BTreeMap: already sorted.
+            out.push(b'{');
+            for (i, (k, v)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_string(k, out);
+                out.push(b':');
+                write(v, out);
+            }
+            out.push(b'}');
+        }
+    }
+}
+
+/// The canonical form of `value` as bytes.
+pub fn to_vec(value: &Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    write(value, &mut out);
+    out
+}
+
+fn write_string(s: &str, out: &mut Vec<u8>) {
+    // serde_json escapes only what JSON requires, which is RFC 8785's rule.
+    serde_json::to_writer(&mut *out, s).expect("writing to a Vec cannot fail");
+}
+
+fn write_number(n: &serde_json::Number, out: &mut Vec<u8>) {
+    if let Some(i) = n.as_i64() {
+        out.extend_from_slice(i.to_string().as_bytes());
+    } else if let Some(u) = n.as_u64() {
+        out.extend_from_slice(u.to_string().as_bytes());
+    } else if let Some(f) = n.as_f64() {
+        const EXACT: f64 = (1u64 << 53) as f64;
+        if f.fract() == 0.0 && f.abs() < EXACT {
+            out.extend_from_slice((f as i64).to_string().as_bytes());
+        } else {
+            out.extend_from_slice(format!("{f:e}").as_bytes());
+        }
+    }
+}
+
+/// Removes the member or element a JSON pointer (RFC 6901) names, if any.
+pub fn remove_pointer(value: &mut Value, pointer: &str) {
+    let Some((parent, last)) = pointer.rsplit_once('/') else {
+        return;
+    };
+    let last = last.replace("~1", "/").replace("~0", "~");
+    match value.pointer_mut(parent) {
+        Some(Value::Object(map)) => {
+            map.remove(&last);
+        }
+        Some(Value::Array(items)) => {
+            if let Ok(i) = last.parse::<usize>()
+                && i < items.len()
+            {
+                items.remove(i);
+            }
+        }
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn canon(text: &str) -> String {
+        String::from_utf8(to_vec(&serde_json::from_str(text).unwrap())).unwrap()
+    }
+
+    #[test]
+    fn key_order_and_whitespace_do_not_matter() {
+        assert_eq!(
+            canon(r#"{ "b": 1, "a": [3, 2, {"d":null,"c":true}] }"#),
+            r#"{"a":[3,2,{"c":true,"d":null}],"b":1}"#
+        );
+    }
+
+    #[test]
+    fn numbers_have_one_form() {
+        assert_eq!(canon("[1, 1.0, 1e0, -0.0, 2.5, 1e300]"), "[1,1,1,0,2.5e0,1e300]");
+    }
+
+    #[test]
+    fn strings_escape_minimally() {
+        assert_eq!(canon(r#""a\u0041\n\u00e9""#), "\"aA\\né\"");
+    }
+
+    #[test]
+    fn pointers_remove_members_and_elements() {
+        let mut v: Value = serde_json::from_str(r#"{"a":{"t":1,"k":2},"l":[1,2,3],"x/y":0}"#).unwrap();
+        remove_pointer(&mut v, "/a/t");
+        remove_pointer(&mut v, "/l/1");
+        remove_pointer(&mut v, "/x~1y");
+        remove_pointer(&mut v, "/missing/deep");
+        assert_eq!(String::from_utf8(to_vec(&v)).unwrap(), r#"{"a":{"k":2},"l":[1,3]}"#);
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_by_the_parser_not_the_stack() {
+        let deep = "[".repeat(100_000) + &"]".repeat(100_000);
+        assert!(serde_json::from_str::<Value>(&deep).is_err());
+    }
+}

@@ -1,0 +1,372 @@
+//! Step 5 and 6: the claimed exchange. Forward the request, stream the
+//! answer to the client while recording it, and complete (or release) the
+//! claim before the last byte reaches the client.
+//!
+//! The exchange runs in a task of its own, so a client that hangs up cannot
+//! cancel it: the task reads the rest of the upstream body into the record
+//! and completes it, and the client's retry replays. The task owns a
+//! [`ClaimGuard`] that renews the lease while it lives and releases the
+//! claim if the task ends without settling it.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::body::{ResponseBody, UpstreamBody};
+use super::forward::{UpstreamClient, strip_hop_by_hop};
+use super::problem::Problem;
+use crate::config::{OnServerError, OnUpstreamFailure, Policy};
+use crate::store::{Outcome, Owner, RecordKey, StoreHandle, StoredResponse};
+use crate::telemetry::Metrics;
+
+/// Frames buffered between the exchange task and the client connection.
+const CHANNEL_FRAMES: usize = 16;
+
+/// Everything the claimed exchange needs, owned, so it can outlive the
+/// client's connection.
+pub struct Exchange {
+    pub store: StoreHandle,
+    pub client: UpstreamClient,
+    pub metrics: Arc<Metrics>,
+    pub policy: Arc<Policy>,
+    pub key: RecordKey,
+    pub owner: Owner,
+    pub request: Request<UpstreamBody>,
+    pub timeout: Duration,
+}
+
+/// Holds a claim: renews its lease while alive, releases it when dropped
+/// unless it was completed or released on purpose.
+struct ClaimGuard {
+    store: StoreHandle,
+    key: RecordKey,
+    owner: Owner,
+    metrics: Arc<Metrics>,
+    renewal: JoinHandle<()>,
+    settled: bool,
+}
+
+impl ClaimGuard {
+    fn new(store: StoreHandle, key: RecordKey, owner: Owner, lease: Duration, metrics: Arc<Metrics>) -> ClaimGuard {
+        metrics.in_flight.fetch_add(1, Ordering::Relaxed);
+        let renewal = tokio::spawn({
+            let store = store.clone();
+            async move {
+                let every = (lease / 3).max(Duration::from_millis(1));
+                let mut tick = tokio::time::interval_at(Instant::now() + every, every);
+                loop {
+                    tick.tick().await;
+                    match store.renew(&key, owner, lease).await {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            tracing::warn!(key = %key.tag(), "lease lost before the exchange finished");
+                            return;
+                        }
+                        Err(error) => tracing::warn!(key = %key.tag(), %error, "lease renewal failed"),
+                    }
+                }
+            }
+        });
+        ClaimGuard {
+            store,
+            key,
+            owner,
+            metrics,
+            renewal,
+            settled: false,
+        }
+    }
+
+    fn settle(&mut self) {
+        self.renewal.abort();
+        self.settled = true;
+    }
+
+    async fn complete(mut self, outcome: Outcome, ttl: Duration) {
+        self.settle();
+        let started = Instant::now();
+        let result = self.store.complete(&self.key, self.owner, outcome, ttl).await;
+        self.metrics.store_latency.observe(started.elapsed());
+        match result {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(key = %self.key.tag(), "lease lost: the record was not completed"),
+            // Releasing now could let a retry run the request twice; the
+            // lease runs out instead, answering 409 to retries until then.
+            Err(error) => tracing::error!(key = %self.key.tag(), %error, "completing the record failed"),
+        }
+    }
+
+    async fn release(mut self) {
+        self.settle();
+        if let Err(error) = self.store.release(&self.key, self.owner).await {
+            tracing::warn!(key = %self.key.tag(), %error, "releasing the claim failed; its lease will run out");
+        }
+    }
+}
+
+impl Drop for ClaimGuard {
+    fn drop(&mut self) {
+        self.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if self.settled {
+            return;
+        }
+        self.renewal.abort();
+        let (store, key, owner) = (self.store.clone(), self.key, self.owner);
+        tokio::spawn(async move {
+            if let Err(error) = store.release(&key, owner).await {
+                tracing::warn!(key = %key.tag(), %error, "releasing an abandoned claim failed");
+            }
+        });
+    }
+}
+
+/// Collects the response for the record, up to `max_response_body` bytes.
+struct Recorder {
+    chunks: Vec<Bytes>,
+    len: usize,
+    limit: usize,
+    over_limit: bool,
+}
+
+impl Recorder {
+    fn push(&mut self, data: &Bytes) {
+        if self.over_limit {
+            return;
+        }
+        self.len += data.len();
+        if self.len > self.limit {
+            self.over_limit = true;
+            self.chunks = Vec::new();
+        } else {
+            self.chunks.push(data.clone());
+        }
+    }
+
+    fn body(self) -> Bytes {
+        match self.chunks.len() {
+            0 => Bytes::new(),
+            1 => self.chunks.into_iter().next().expect("one chunk"),
+            _ => {
+                let mut body = BytesMut::with_capacity(self.len);
+                for chunk in self.chunks {
+                    body.extend_from_slice(&chunk);
+                }
+                body.freeze()
+            }
+        }
+    }
+}
+
+/// How an upstream exchange failed after the request may have been sent.
+#[derive(Clone, Copy)]
+enum Failure {
+    Timeout,
+    Broken,
+}
+
+/// Runs the exchange in its own task and returns the client's response.
+pub async fn run(exchange: Exchange) -> Response<ResponseBody> {
+    let (reply, response) = oneshot::channel();
+    tokio::spawn(exchange.drive(reply));
+    response
+        .await
+        .unwrap_or_else(|_| Problem::UpstreamUnavailable("the exchange ended unexpectedly".into()).response())
+}
+
+impl Exchange {
+    async fn drive(self, reply: oneshot::Sender<Response<ResponseBody>>) {
+        let Exchange {
+            store,
+            client,
+            metrics,
+            policy,
+            key,
+            owner,
+            request,
+            timeout,
+        } = self;
+        let guard = ClaimGuard::new(store, key, owner, policy.lock_timeout, metrics.clone());
+        let deadline = Instant::now() + timeout;
+        let started = Instant::now();
+        let sent = tokio::time::timeout_at(deadline, client.request(request)).await;
+        metrics.upstream_latency.observe(started.elapsed());
+        let response = match sent {
+            Ok(Ok(response)) => response,
+            Ok(Err(error)) if error.is_connect() => {
+                tracing::warn!(key = %key.tag(), error = %error_chain(&error), "upstream unreachable");
+                guard.release().await;
+                let _ = reply.send(Problem::UpstreamUnavailable("the upstream cannot be reached".into()).response());
+                return;
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(key = %key.tag(), error = %error_chain(&error), "upstream failed after the request was sent");
+                let problem = fail(guard, &policy, Failure::Broken).await;
+                let _ = reply.send(problem.response());
+                return;
+            }
+            Err(_) => {
+                tracing::warn!(key = %key.tag(), "upstream timed out");
+                let problem = fail(guard, &policy, Failure::Timeout).await;
+                let _ = reply.send(problem.response());
+                return;
+            }
+        };
+
+        let (mut head, mut body) = response.into_parts();
+        strip_hop_by_hop(&mut head.headers);
+        let keep = !(head.status.is_server_error() && policy.on_server_error == OnServerError::Release);
+        let mut recorder = Recorder {
+            chunks: Vec::new(),
+            len: 0,
+            limit: usize::try_from(policy.max_response_body).unwrap_or(usize::MAX),
+            over_limit: false,
+        };
+        let status = head.status;
+        let headers = keep.then(|| head.headers.clone());
+
+        if body.is_end_stream() {
+            // Nothing follows the head: the head is the last byte.
+            settle(guard, &policy, status, headers, recorder).await;
+            let _ = reply.send(Response::from_parts(head, ResponseBody::empty()));
+            return;
+        }
+
+        let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
+        let mut client_tx = reply
+            .send(Response::from_parts(head, ResponseBody::Channel(rx)))
+            .ok()
+            .map(|_| tx);
+        // The last byte seen so far, held back until the record is settled.
+        let mut held: Option<Bytes> = None;
+        let mut trailers: Option<HeaderMap> = None;
+        loop {
+            let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+                Ok(None) => break,
+                Ok(Some(Ok(frame))) => frame,
+                Ok(Some(Err(error))) => {
+                    tracing::warn!(key = %key.tag(), %error, "upstream body broke off");
+                    fail(guard, &policy, Failure::Broken).await;
+                    abort(client_tx, "the upstream response broke off").await;
+                    return;
+                }
+                Err(_) => {
+                    tracing::warn!(key = %key.tag(), "upstream body timed out");
+                    fail(guard, &policy, Failure::Timeout).await;
+                    abort(client_tx, "the upstream response timed out").await;
+                    return;
+                }
+            };
+            let mut data = match frame.into_data() {
+                Ok(data) => data,
+                Err(frame) => {
+                    if let Ok(t) = frame.into_trailers() {
+                        trailers = Some(t);
+                    }
+                    continue;
+                }
+            };
+            if data.is_empty() {
+                continue;
+            }
+            if keep {
+                recorder.push(&data);
+            }
+            if let Some(tx) = &client_tx {
+                let last = data.split_off(data.len() - 1);
+                let mut gone = false;
+                if let Some(previous) = held.replace(last) {
+                    gone |= tx.send(Ok(Frame::data(previous))).await.is_err();
+                }
+                if !data.is_empty() && !gone {
+                    gone |= tx.send(Ok(Frame::data(data))).await.is_err();
+                }
+                if gone {
+                    tracing::debug!(key = %key.tag(), "client went away; finishing the exchange for the record");
+                    client_tx = None;
+                }
+            }
+        }
+        settle(guard, &policy, status, headers, recorder).await;
+        if let Some(tx) = client_tx {
+            if let Some(last) = held {
+                let _ = tx.send(Ok(Frame::data(last))).await;
+            }
+            if let Some(trailers) = trailers {
+                let _ = tx.send(Ok(Frame::trailers(trailers))).await;
+            }
+        }
+    }
+}
+
+/// Completes the record with the whole answer, or releases the claim when
+/// there are no `headers` to keep (a 5xx with `on_server_error = "release"`).
+async fn settle(
+    guard: ClaimGuard,
+    policy: &Policy,
+    status: StatusCode,
+    headers: Option<HeaderMap>,
+    recorder: Recorder,
+) {
+    let Some(headers) = headers else {
+        guard.release().await;
+        return;
+    };
+    let outcome = if recorder.over_limit {
+        Outcome::NotReplayable
+    } else {
+        let headers = headers
+            .iter()
+            .filter(|(name, _)| !policy.replay_drop_headers.contains(name))
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect();
+        Outcome::Response(Arc::new(StoredResponse {
+            status,
+            headers,
+            body: recorder.body(),
+        }))
+    };
+    guard.complete(outcome, policy.ttl).await;
+}
+
+/// Applies `on_upstream_failure` and names the problem the first client gets.
+async fn fail(guard: ClaimGuard, policy: &Policy, failure: Failure) -> Problem {
+    match policy.on_upstream_failure {
+        OnUpstreamFailure::Release => guard.release().await,
+        OnUpstreamFailure::Unknown => guard.complete(Outcome::Unknown, policy.ttl).await,
+    }
+    match (failure, policy.on_upstream_failure) {
+        (Failure::Timeout, _) => Problem::UpstreamTimeout,
+        (Failure::Broken, OnUpstreamFailure::Unknown) => Problem::OutcomeUnknown,
+        (Failure::Broken, OnUpstreamFailure::Release) => {
+            Problem::UpstreamUnavailable("the upstream connection failed after the request was sent".into())
+        }
+    }
+}
+
+/// Ends the client's body with an error, so it sees a broken response
+/// rather than a complete-looking truncated one.
+async fn abort(client: Option<mpsc::Sender<super::body::ChannelItem>>, why: &'static str) {
+    if let Some(tx) = client {
+        let _ = tx.send(Err(why.into())).await;
+    }
+}
+
+/// An error and its sources, for a log line.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

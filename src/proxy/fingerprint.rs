@@ -1,0 +1,53 @@
+//! Step 3: the request fingerprint, SHA-256 over the method, path, query,
+//! the configured headers and the body as configured.
+
+use bytes::Bytes;
+use http::request::Parts;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use super::canonical;
+use crate::config::{BodyMode, FingerprintPolicy};
+use crate::store::Fingerprint;
+
+fn field(hasher: &mut Sha256, bytes: &[u8]) {
+    hasher.update((bytes.len() as u64).to_be_bytes());
+    hasher.update(bytes);
+}
+
+/// Fingerprints a buffered request. `json` is the body already parsed, when
+/// it is JSON; a body that is not JSON is fingerprinted by its raw bytes.
+pub fn fingerprint(policy: &FingerprintPolicy, parts: &Parts, body: &Bytes, json: Option<&Value>) -> Fingerprint {
+    let mut hasher = Sha256::new();
+    hasher.update(b"idemgate-fingerprint-v1");
+    field(&mut hasher, parts.method.as_str().as_bytes());
+    field(&mut hasher, parts.uri.path().as_bytes());
+    field(&mut hasher, parts.uri.query().unwrap_or("").as_bytes());
+    for name in &policy.headers {
+        field(&mut hasher, name.as_str().as_bytes());
+        for value in parts.headers.get_all(name) {
+            field(&mut hasher, value.as_bytes());
+        }
+        hasher.update([0xff]);
+    }
+    match (policy.body, json) {
+        (BodyMode::None, _) => hasher.update(b"none"),
+        (BodyMode::Json, Some(json)) => {
+            hasher.update(b"json");
+            if policy.ignore.is_empty() {
+                field(&mut hasher, &canonical::to_vec(json));
+            } else {
+                let mut json = json.clone();
+                for pointer in &policy.ignore {
+                    canonical::remove_pointer(&mut json, pointer);
+                }
+                field(&mut hasher, &canonical::to_vec(&json));
+            }
+        }
+        (BodyMode::Raw | BodyMode::Json, _) => {
+            hasher.update(b"raw");
+            field(&mut hasher, body);
+        }
+    }
+    Fingerprint(hasher.finalize().into())
+}

@@ -1,0 +1,126 @@
+//! Talking to the upstream: the pooled client, the rewritten request (hop-by-
+//! hop headers dropped, `X-Forwarded-*` set) and the cleaned response head.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::{PathAndQuery, Uri};
+use http::{Request, Version};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use super::body::UpstreamBody;
+
+/// The pooled HTTP/1.1 client every route shares.
+pub type UpstreamClient = Client<HttpConnector, UpstreamBody>;
+
+pub fn client(connect_timeout: Duration) -> UpstreamClient {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(connect_timeout));
+    connector.set_nodelay(true);
+    connector.set_keepalive(Some(Duration::from_secs(60)));
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(1024)
+        .build(connector)
+}
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) plus their common non-standard kin.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Removes hop-by-hop headers, including every header `Connection` names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        headers.remove(name);
+    }
+    headers.remove(header::TRAILER);
+}
+
+/// How the client reached idemgate, for `X-Forwarded-*`.
+#[derive(Clone, Copy, Debug)]
+pub struct Peer {
+    pub addr: SocketAddr,
+    pub tls: bool,
+}
+
+/// Points `request` at `upstream` and rewrites its headers for the hop.
+pub fn prepare(request: &mut Request<UpstreamBody>, upstream: &Uri, peer: Peer) {
+    let original_host = request.headers().get(header::HOST).cloned().or_else(|| {
+        request
+            .uri()
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+    });
+    let path = request
+        .uri()
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"));
+    let mut parts = upstream.clone().into_parts();
+    parts.path_and_query = Some(path);
+    *request.uri_mut() = Uri::from_parts(parts).expect("an upstream URL plus a request path is a URI");
+    *request.version_mut() = Version::HTTP_11;
+
+    let headers = request.headers_mut();
+    strip_hop_by_hop(headers);
+    // The Host of the upstream, as nginx's default `proxy_set_header Host
+    // $proxy_host`; the client's Host travels in X-Forwarded-Host.
+    headers.remove(header::HOST);
+    let client_ip = peer.addr.ip().to_string();
+    let forwarded_for = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+        Some(earlier) if !earlier.trim().is_empty() => format!("{earlier}, {client_ip}"),
+        _ => client_ip,
+    };
+    headers.remove(&X_FORWARDED_FOR);
+    if let Ok(value) = HeaderValue::from_str(&forwarded_for) {
+        headers.insert(X_FORWARDED_FOR.clone(), value);
+    }
+    headers.insert(
+        X_FORWARDED_PROTO.clone(),
+        HeaderValue::from_static(if peer.tls { "https" } else { "http" }),
+    );
+    match original_host {
+        Some(host) => headers.insert(X_FORWARDED_HOST.clone(), host),
+        None => headers.remove(&X_FORWARDED_HOST),
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_named_headers_go_too() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("close, x-secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-kept"));
+    }
+}

@@ -1,0 +1,170 @@
+//! Step 1 and 2 of the pipeline: the idempotency key (read from its header
+//! or derived from an allow-list of request fields) and the record key it is
+//! stored under (scoped by the configured headers).
+
+use http::HeaderMap;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use super::canonical;
+use super::problem::Problem;
+use crate::config::{DeriveField, KeyPolicy, RouteMatch};
+use crate::store::RecordKey;
+
+/// The request parts a derived key may read.
+pub struct KeySource<'a> {
+    pub route: &'a str,
+    pub headers: &'a HeaderMap,
+    pub query: Option<&'a str>,
+    pub params: &'a RouteMatch,
+    /// The body parsed as JSON, when the body is JSON.
+    pub json: Option<&'a Value>,
+}
+
+/// Reads the key header. `Ok(None)` when it is absent.
+pub fn from_header(policy: &KeyPolicy, headers: &HeaderMap) -> Result<Option<String>, Problem> {
+    let mut values = headers.get_all(&policy.header).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    let name = &policy.header;
+    if values.next().is_some() {
+        return Err(Problem::KeyInvalid(format!("the {name} header must be sent once")));
+    }
+    let key = parse(value.as_bytes()).ok_or_else(|| {
+        Problem::KeyInvalid(format!(
+            "the {name} header must be a token or a quoted string of visible ASCII"
+        ))
+    })?;
+    if key.is_empty() {
+        return Err(Problem::KeyInvalid(format!("the {name} header is empty")));
+    }
+    if key.len() > policy.max_length {
+        return Err(Problem::KeyInvalid(format!(
+            "the {name} header is longer than {} characters",
+            policy.max_length
+        )));
+    }
+    Ok(Some(key))
+}
+
+/// A plain token or an RFC 8941 sf-string; the key is the inner text, which
+/// must be visible ASCII.
+fn parse(raw: &[u8]) -> Option<String> {
+    let visible = |b: u8| (0x21..=0x7e).contains(&b);
+    let Some(quoted) = raw.strip_prefix(b"\"") else {
+        return raw
+            .iter()
+            .all(|&b| visible(b))
+            .then(|| String::from_utf8_lossy(raw).into_owned());
+    };
+    let inner = quoted.strip_suffix(b"\"")?;
+    let mut key = Vec::with_capacity(inner.len());
+    let mut bytes = inner.iter();
+    while let Some(&b) = bytes.next() {
+        match b {
+            b'\\' => match bytes.next() {
+                Some(&e @ (b'"' | b'\\')) => key.push(e),
+                _ => return None,
+            },
+            b'"' => return None,
+            b if visible(b) => key.push(b),
+            _ => return None,
+        }
+    }
+    String::from_utf8(key).ok()
+}
+
+/// Derives a key from exactly the listed fields: SHA-256 over the route name
+/// and the canonical (field, value) pairs, in the fields' sorted order.
+pub fn derive(fields: &[DeriveField], source: &KeySource<'_>) -> Result<String, Problem> {
+    let mut pairs = Vec::with_capacity(fields.len());
+    for field in fields {
+        let value = match field {
+            DeriveField::Body(pointer) => source
+                .json
+                .and_then(|json| json.pointer(pointer))
+                .map(|v| String::from_utf8(canonical::to_vec(v)).expect("canonical JSON is UTF-8")),
+            DeriveField::Header(name) => {
+                let values: Vec<&str> = source
+                    .headers
+                    .get_all(name)
+                    .iter()
+                    .filter_map(|v| v.to_str().ok())
+                    .collect();
+                (!values.is_empty()).then(|| values.join(","))
+            }
+            DeriveField::Path(param) => source.params.param(param).map(str::to_string),
+            DeriveField::Query(name) => {
+                let values: Vec<String> = form_urlencoded::parse(source.query.unwrap_or("").as_bytes())
+                    .filter(|(k, _)| k == name)
+                    .map(|(_, v)| v.into_owned())
+                    .collect();
+                (!values.is_empty()).then(|| values.join(","))
+            }
+        };
+        let value = value.ok_or_else(|| {
+            Problem::KeyMissing(format!("the key is derived from `{field}`, which this request lacks"))
+        })?;
+        pairs.push(Value::Array(vec![
+            Value::String(field.to_string()),
+            Value::String(value),
+        ]));
+    }
+    let mut hasher = Sha256::new();
+    hasher.update(b"idemgate-derived-v1\0");
+    hasher.update(source.route.as_bytes());
+    hasher.update(b"\0");
+    hasher.update(canonical::to_vec(&Value::Array(pairs)));
+    Ok(hex::encode(hasher.finalize()))
+}
+
+/// The record key: SHA-256 over the scope headers' values and the key,
+/// each length-prefixed so no two different inputs run together.
+pub fn record_key(scope: &[http::HeaderName], headers: &HeaderMap, key: &str) -> RecordKey {
+    let mut hasher = Sha256::new();
+    hasher.update(b"idemgate-record-v1");
+    for name in scope {
+        let mut values = headers.get_all(name).iter().peekable();
+        if values.peek().is_none() {
+            hasher.update([0u8]);
+        }
+        for value in values {
+            hasher.update([1u8]);
+            hasher.update((value.len() as u64).to_be_bytes());
+            hasher.update(value.as_bytes());
+        }
+        hasher.update([2u8]);
+    }
+    hasher.update((key.len() as u64).to_be_bytes());
+    hasher.update(key.as_bytes());
+    RecordKey(hasher.finalize().into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_and_sf_strings_give_the_inner_text() {
+        assert_eq!(parse(b"abc-123").as_deref(), Some("abc-123"));
+        assert_eq!(parse(br#""abc""#).as_deref(), Some("abc"));
+        assert_eq!(parse(br#""a\"b\\c""#).as_deref(), Some(r#"a"b\c"#));
+        assert_eq!(parse(br#""""#).as_deref(), Some(""));
+    }
+
+    #[test]
+    fn invisible_or_malformed_keys_are_refused() {
+        for bad in [
+            &b"a b"[..],
+            b"\"a b\"",
+            b"\"abc",
+            b"\"a\"b\"",
+            b"\"a\\x\"",
+            "é".as_bytes(),
+            b"a\tb",
+        ] {
+            assert_eq!(parse(bad), None, "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
+}

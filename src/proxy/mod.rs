@@ -1,0 +1,403 @@
+//! The request pipeline. [`Gateway::handle`] reads top to bottom:
+//!
+//! 1. route: the first `[[route]]` whose host, path and method match, or
+//!    pass-through;
+//! 2. key: the key header, or a key derived from the listed fields ([`key`]);
+//! 3. body: buffered up to `max_request_body` (413 past it);
+//! 4. fingerprint ([`fingerprint`]) and record key (scope + key);
+//! 5. claim: replay, 422, 409 / wait, or claimed;
+//! 6. exchange ([`exchange`]): forward, stream while recording, complete
+//!    before the last byte, release on every failure.
+//!
+//! Every refusal is a [`Problem`]; [`problem`] maps it to HTTP.
+
+mod body;
+mod canonical;
+mod exchange;
+mod fingerprint;
+pub mod forward;
+mod key;
+pub mod problem;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{CONTENT_LENGTH, HOST};
+use http::request::Parts;
+use http::{HeaderValue, Request, Response, Uri};
+use http_body_util::{BodyExt, Either, Full, Limited};
+use hyper::body::Incoming;
+use tokio::time::Instant;
+
+pub use body::ResponseBody;
+pub use forward::Peer;
+pub use problem::Problem;
+
+use crate::config::{Config, DeriveField, Mode, OnInFlight, OnStoreError, Policy, Route, RouteMatch};
+use crate::store::{Claim, Outcome as Stored, Owner, StoreHandle, StoredResponse};
+use crate::telemetry::{Metrics, Outcome, RouteCounters};
+use body::UpstreamBody;
+use exchange::Exchange;
+use forward::UpstreamClient;
+
+/// A configured route with what it needs at run time.
+struct LiveRoute {
+    route: Route,
+    policy: Arc<Policy>,
+    counters: Arc<RouteCounters>,
+}
+
+/// One configuration, ready to serve: routes, store, upstream client.
+pub struct Gateway {
+    config: Arc<Config>,
+    routes: Vec<LiveRoute>,
+    passthrough: Arc<RouteCounters>,
+    store: StoreHandle,
+    client: UpstreamClient,
+    metrics: Arc<Metrics>,
+}
+
+/// A request body: still streaming from the client, or already buffered.
+enum RequestBody {
+    Streaming(Incoming),
+    Buffered(Bytes),
+}
+
+impl From<RequestBody> for UpstreamBody {
+    fn from(body: RequestBody) -> UpstreamBody {
+        match body {
+            RequestBody::Streaming(body) => Either::Right(body),
+            RequestBody::Buffered(bytes) => Either::Left(Full::new(bytes)),
+        }
+    }
+}
+
+static REPLAYED: http::HeaderName = http::HeaderName::from_static("idempotent-replayed");
+
+impl Gateway {
+    pub fn new(config: Arc<Config>, store: StoreHandle, metrics: Arc<Metrics>) -> Gateway {
+        let routes = config
+            .routes
+            .iter()
+            .map(|route| LiveRoute {
+                route: route.clone(),
+                policy: Arc::new(route.policy.clone()),
+                counters: metrics.route(&route.name),
+            })
+            .collect();
+        Gateway {
+            client: forward::client(config.upstream.connect_timeout),
+            passthrough: metrics.route(""),
+            routes,
+            store,
+            metrics,
+            config,
+        }
+    }
+
+    pub fn config(&self) -> &Arc<Config> {
+        &self.config
+    }
+
+    pub fn store(&self) -> &StoreHandle {
+        &self.store
+    }
+
+    /// Answers one client request. Never fails: every error is a response.
+    pub async fn handle(&self, request: Request<Incoming>, peer: Peer) -> Response<ResponseBody> {
+        let Some((live, params)) = self.route_for(&request) else {
+            self.passthrough.count(Outcome::Passthrough);
+            let upstream = self.config.upstream.url.clone();
+            return self.forward(request.map(Either::Right), &upstream, peer).await;
+        };
+        self.idempotent(live, params, request, peer).await
+    }
+
+    fn route_for(&self, request: &Request<Incoming>) -> Option<(&LiveRoute, RouteMatch)> {
+        let host = request
+            .headers()
+            .get(HOST)
+            .and_then(|h| h.to_str().ok())
+            .or_else(|| request.uri().host())
+            .map(|h| {
+                h.rsplit_once(':')
+                    .filter(|(_, port)| port.parse::<u16>().is_ok())
+                    .map_or(h, |(host, _)| host)
+            });
+        self.routes.iter().find_map(|live| {
+            let route = &live.route;
+            if !route.accepts(request.method()) {
+                return None;
+            }
+            if let Some(want) = &route.host
+                && !host.is_some_and(|h| h.eq_ignore_ascii_case(want))
+            {
+                return None;
+            }
+            route.path.matches(request.uri().path()).map(|m| (live, m))
+        })
+    }
+
+    async fn idempotent(
+        &self,
+        live: &LiveRoute,
+        params: RouteMatch,
+        request: Request<Incoming>,
+        peer: Peer,
+    ) -> Response<ResponseBody> {
+        let policy = &live.policy;
+        let upstream = self.config.upstream_of(&live.route);
+        let (parts, body) = request.into_parts();
+
+        // 2. The key header.
+        let header_key = match key::from_header(&policy.key, &parts.headers) {
+            Ok(k) => k,
+            Err(problem) => {
+                return self
+                    .refuse(live, problem, parts, RequestBody::Streaming(body), peer)
+                    .await;
+            }
+        };
+        if header_key.is_none() && policy.key.derive.is_empty() {
+            if policy.key.required {
+                let problem = Problem::KeyMissing(format!("this route needs an {} header", policy.key.header));
+                return self
+                    .refuse(live, problem, parts, RequestBody::Streaming(body), peer)
+                    .await;
+            }
+            live.counters.count(Outcome::Passthrough);
+            return self
+                .forward(Request::from_parts(parts, Either::Right(body)), upstream, peer)
+                .await;
+        }
+
+        // 3. The body, buffered.
+        let body = match self.read_body(&parts, body).await {
+            Ok(bytes) => bytes,
+            Err((problem, body)) => return self.refuse(live, problem, parts, body, peer).await,
+        };
+        let wants_json = policy.fingerprint.body == crate::config::BodyMode::Json
+            || (header_key.is_none() && policy.key.derive.iter().any(|f| matches!(f, DeriveField::Body(_))));
+        let json = wants_json
+            .then(|| serde_json::from_slice::<serde_json::Value>(&body).ok())
+            .flatten();
+
+        // The key, derived when no header carried it.
+        let key = match header_key {
+            Some(k) => k,
+            None => {
+                let source = key::KeySource {
+                    route: &live.route.name,
+                    headers: &parts.headers,
+                    query: parts.uri.query(),
+                    params: &params,
+                    json: json.as_ref(),
+                };
+                match key::derive(&policy.key.derive, &source) {
+                    Ok(k) => k,
+                    Err(problem) => {
+                        return self
+                            .refuse(live, problem, parts, RequestBody::Buffered(body), peer)
+                            .await;
+                    }
+                }
+            }
+        };
+
+        // 4. Fingerprint and record key.
+        let fingerprint = fingerprint::fingerprint(&policy.fingerprint, &parts, &body, json.as_ref());
+        let record_key = key::record_key(&policy.scope, &parts.headers, &key);
+        drop(json);
+
+        // 5. Claim.
+        let owner = Owner::new();
+        let refresh = policy.refresh_ttl_on_replay.then_some(policy.ttl);
+        let wait_until = Instant::now() + policy.wait_timeout;
+        loop {
+            let started = Instant::now();
+            let claim = self
+                .store
+                .claim(&record_key, &fingerprint, owner, policy.lock_timeout, refresh)
+                .await;
+            self.metrics.store_latency.observe(started.elapsed());
+            let problem = match claim {
+                Ok(Claim::Claimed) => break,
+                Ok(Claim::InFlight { fingerprint: f, .. } | Claim::Completed { fingerprint: f, .. })
+                    if f != fingerprint =>
+                {
+                    Problem::KeyReused
+                }
+                Ok(Claim::Completed { outcome, .. }) => match outcome {
+                    Stored::Response(stored) if policy.mode == Mode::Enforce => {
+                        live.counters.count(Outcome::Replayed);
+                        return replay(&stored, policy);
+                    }
+                    Stored::Response(_) => {
+                        live.counters.count(Outcome::ShadowReplayed);
+                        return self
+                            .forward(
+                                Request::from_parts(parts, Either::Left(Full::new(body))),
+                                upstream,
+                                peer,
+                            )
+                            .await;
+                    }
+                    Stored::NotReplayable => Problem::ResponseNotReplayable,
+                    Stored::Unknown => Problem::OutcomeUnknown,
+                },
+                Ok(Claim::InFlight { .. }) => {
+                    let now = Instant::now();
+                    if policy.on_in_flight == OnInFlight::Wait && policy.mode == Mode::Enforce && now < wait_until {
+                        match self.store.wait(&record_key, wait_until - now).await {
+                            Ok(()) => continue,
+                            Err(error) => {
+                                tracing::warn!(route = %live.route.name, %error, "waiting on the store failed");
+                                Problem::StoreUnavailable
+                            }
+                        }
+                    } else {
+                        Problem::RequestInFlight
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(route = %live.route.name, %error, "store claim failed");
+                    Problem::StoreUnavailable
+                }
+            };
+            return self
+                .refuse(live, problem, parts, RequestBody::Buffered(body), peer)
+                .await;
+        }
+
+        // 6. The claimed exchange.
+        live.counters.count(Outcome::Forwarded);
+        let mut request = Request::from_parts(parts, Either::Left(Full::new(body)));
+        forward::prepare(&mut request, upstream, peer);
+        let headers = request.headers_mut();
+        headers.remove(&policy.key.header);
+        if let Some(name) = &policy.forward_key_header {
+            // Keys are visible ASCII, or hex when derived: always a valid value.
+            headers.insert(
+                name.clone(),
+                HeaderValue::from_str(&key).expect("keys are visible ASCII"),
+            );
+        }
+        exchange::run(Exchange {
+            store: self.store.clone(),
+            client: self.client.clone(),
+            metrics: self.metrics.clone(),
+            policy: policy.clone(),
+            key: record_key,
+            owner,
+            request,
+            timeout: self.config.upstream.timeout,
+        })
+        .await
+    }
+
+    /// Answers `problem`, or in shadow mode counts it and forwards anyway.
+    /// A store that is down with `on_error = "pass"` forwards too.
+    async fn refuse(
+        &self,
+        live: &LiveRoute,
+        problem: Problem,
+        parts: Parts,
+        body: RequestBody,
+        peer: Peer,
+    ) -> Response<ResponseBody> {
+        let outcome = outcome_of(&problem);
+        let upstream = self.config.upstream_of(&live.route);
+        let pass = problem == Problem::StoreUnavailable && self.config.store.on_error == OnStoreError::Pass;
+        if live.policy.mode == Mode::Shadow || pass {
+            live.counters.count(if pass { outcome } else { outcome.shadowed() });
+            return self
+                .forward(Request::from_parts(parts, body.into()), upstream, peer)
+                .await;
+        }
+        live.counters.count(outcome);
+        problem.response()
+    }
+
+    /// Buffers the request body up to `max_request_body`. On failure, hands
+    /// back what is left of the body so shadow mode can still forward it.
+    async fn read_body(&self, parts: &Parts, body: Incoming) -> Result<Bytes, (Problem, RequestBody)> {
+        let limit = self.config.server.max_request_body;
+        let declared = parts
+            .headers
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|len| len > limit) {
+            return Err((Problem::BodyTooLarge { limit }, RequestBody::Streaming(body)));
+        }
+        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        match Limited::new(body, limit).collect().await {
+            Ok(collected) => Ok(collected.to_bytes()),
+            Err(error) if error.is::<http_body_util::LengthLimitError>() => Err((
+                Problem::BodyTooLarge { limit: limit as u64 },
+                RequestBody::Buffered(Bytes::new()),
+            )),
+            Err(error) => Err((
+                Problem::BadRequest(format!("the request body could not be read: {error}")),
+                RequestBody::Buffered(Bytes::new()),
+            )),
+        }
+    }
+
+    /// Forwards without recording: pass-through, shadow mode, store bypass.
+    async fn forward(&self, mut request: Request<UpstreamBody>, upstream: &Uri, peer: Peer) -> Response<ResponseBody> {
+        forward::prepare(&mut request, upstream, peer);
+        let deadline = Instant::now() + self.config.upstream.timeout;
+        let started = Instant::now();
+        let sent = tokio::time::timeout_at(deadline, self.client.request(request)).await;
+        self.metrics.upstream_latency.observe(started.elapsed());
+        match sent {
+            Ok(Ok(response)) => {
+                let (mut head, body) = response.into_parts();
+                forward::strip_hop_by_hop(&mut head.headers);
+                let deadline = Box::pin(tokio::time::sleep_until(deadline));
+                Response::from_parts(head, ResponseBody::Upstream { body, deadline })
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(error = %exchange::error_chain(&error), "upstream request failed");
+                let detail = if error.is_connect() {
+                    "the upstream cannot be reached"
+                } else {
+                    "the upstream connection failed"
+                };
+                Problem::UpstreamUnavailable(detail.into()).response()
+            }
+            Err(_) => Problem::UpstreamTimeout.response(),
+        }
+    }
+}
+
+/// The stored answer, with `Idempotent-Replayed: true`.
+fn replay(stored: &StoredResponse, policy: &Policy) -> Response<ResponseBody> {
+    let mut response = Response::new(ResponseBody::full(stored.body.clone()));
+    *response.status_mut() = stored.status;
+    let headers = response.headers_mut();
+    headers.reserve(stored.headers.len() + 1);
+    for (name, value) in &stored.headers {
+        if !policy.replay_drop_headers.contains(name) {
+            headers.append(name.clone(), value.clone());
+        }
+    }
+    headers.insert(REPLAYED.clone(), HeaderValue::from_static("true"));
+    response
+}
+
+fn outcome_of(problem: &Problem) -> Outcome {
+    match problem {
+        Problem::KeyMissing(_) => Outcome::KeyMissing,
+        Problem::KeyInvalid(_) => Outcome::KeyInvalid,
+        Problem::KeyReused => Outcome::Mismatch,
+        Problem::RequestInFlight => Outcome::InFlight,
+        Problem::BodyTooLarge { .. } => Outcome::TooLarge,
+        Problem::ResponseNotReplayable => Outcome::NotReplayable,
+        Problem::OutcomeUnknown => Outcome::OutcomeUnknown,
+        Problem::StoreUnavailable => Outcome::StoreError,
+        Problem::UpstreamUnavailable(_) | Problem::UpstreamTimeout => Outcome::UpstreamError,
+        Problem::BadRequest(_) => Outcome::BadRequest,
+    }
+}

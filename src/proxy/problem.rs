@@ -1,0 +1,191 @@
+//! Every error idemgate answers itself, mapped to HTTP in this one place as
+//! an RFC 9457 `application/problem+json` document.
+//!
+//! Each problem is classified by who is at fault (the client, the upstream,
+//! the store) and whether a retry may help; that decides the status code.
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderValue, Response, StatusCode};
+
+use super::body::ResponseBody;
+
+/// The problem types of SPEC §3, plus `bad-request` for a request idemgate
+/// cannot read at all.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Problem {
+    /// No key header, no way to derive one; or a derive field is absent.
+    KeyMissing(String),
+    /// Empty, too long, not visible ASCII, or sent more than once.
+    KeyInvalid(String),
+    /// The key belongs to a different request.
+    KeyReused,
+    /// The same request is still being processed.
+    RequestInFlight,
+    /// The request body exceeds `server.max_request_body`.
+    BodyTooLarge { limit: u64 },
+    /// The original answer was delivered but was too large to keep.
+    ResponseNotReplayable,
+    /// The request never reached the upstream.
+    UpstreamUnavailable(String),
+    /// The upstream did not answer within `upstream.timeout`.
+    UpstreamTimeout,
+    /// The upstream may or may not have acted on this key.
+    OutcomeUnknown,
+    /// The store cannot be reached and `on_error = "reject"`.
+    StoreUnavailable,
+    /// The request could not be read.
+    BadRequest(String),
+}
+
+/// Who caused a problem; with `retryable`, this is what the status encodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    Client,
+    Upstream,
+    Store,
+}
+
+impl Problem {
+    pub fn slug(&self) -> &'static str {
+        match self {
+            Problem::KeyMissing(_) => "key-missing",
+            Problem::KeyInvalid(_) => "key-invalid",
+            Problem::KeyReused => "key-reused",
+            Problem::RequestInFlight => "request-in-flight",
+            Problem::BodyTooLarge { .. } => "body-too-large",
+            Problem::ResponseNotReplayable => "response-not-replayable",
+            Problem::UpstreamUnavailable(_) => "upstream-unavailable",
+            Problem::UpstreamTimeout => "upstream-timeout",
+            Problem::OutcomeUnknown => "outcome-unknown",
+            Problem::StoreUnavailable => "store-unavailable",
+            Problem::BadRequest(_) => "bad-request",
+        }
+    }
+
+    pub fn fault(&self) -> Fault {
+        match self {
+            Problem::KeyMissing(_)
+            | Problem::KeyInvalid(_)
+            | Problem::KeyReused
+            | Problem::RequestInFlight
+            | Problem::BodyTooLarge { .. }
+            | Problem::ResponseNotReplayable
+            | Problem::BadRequest(_) => Fault::Client,
+            Problem::UpstreamUnavailable(_) | Problem::UpstreamTimeout | Problem::OutcomeUnknown => Fault::Upstream,
+            Problem::StoreUnavailable => Fault::Store,
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Problem::KeyMissing(_) | Problem::KeyInvalid(_) | Problem::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Problem::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            Problem::RequestInFlight => StatusCode::CONFLICT,
+            Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            // The answer existed once and will never come back: gone for good.
+            Problem::ResponseNotReplayable => StatusCode::GONE,
+            Problem::UpstreamUnavailable(_) | Problem::OutcomeUnknown => StatusCode::BAD_GATEWAY,
+            Problem::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            Problem::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            Problem::KeyMissing(_) => "Idempotency key missing",
+            Problem::KeyInvalid(_) => "Idempotency key invalid",
+            Problem::KeyReused => "Idempotency key reused for a different request",
+            Problem::RequestInFlight => "A request with this idempotency key is in progress",
+            Problem::BodyTooLarge { .. } => "Request body too large",
+            Problem::ResponseNotReplayable => "Response cannot be replayed",
+            Problem::UpstreamUnavailable(_) => "Upstream unavailable",
+            Problem::UpstreamTimeout => "Upstream timed out",
+            Problem::OutcomeUnknown => "Outcome unknown",
+            Problem::StoreUnavailable => "Idempotency store unavailable",
+            Problem::BadRequest(_) => "Bad request",
+        }
+    }
+
+    fn detail(&self) -> String {
+        match self {
+            Problem::KeyMissing(d) | Problem::KeyInvalid(d) | Problem::BadRequest(d) => d.clone(),
+            Problem::UpstreamUnavailable(d) => d.clone(),
+            Problem::KeyReused => {
+                "this key was first used with a different request (method, path, query, headers or body); use a new key"
+                    .to_string()
+            }
+            Problem::RequestInFlight => {
+                "the first request with this key has not finished; retry after the Retry-After delay".to_string()
+            }
+            Problem::BodyTooLarge { limit } => format!("the request body exceeds the limit of {limit} bytes"),
+            Problem::ResponseNotReplayable => {
+                "the request was processed, but its response was too large to keep; it is not run again".to_string()
+            }
+            Problem::UpstreamTimeout => "the upstream did not answer in time".to_string(),
+            Problem::OutcomeUnknown => {
+                "the upstream failed after receiving a request with this key; it is not run again".to_string()
+            }
+            Problem::StoreUnavailable => "the idempotency store cannot be reached; retry later".to_string(),
+        }
+    }
+
+    /// Whether the same request, sent again, may succeed.
+    pub fn retryable(&self) -> bool {
+        matches!(
+            self,
+            Problem::RequestInFlight
+                | Problem::UpstreamUnavailable(_)
+                | Problem::UpstreamTimeout
+                | Problem::StoreUnavailable
+        )
+    }
+
+    /// The `application/problem+json` response.
+    pub fn response(&self) -> Response<ResponseBody> {
+        let status = self.status();
+        let doc = serde_json::json!({
+            "type": format!("urn:idemgate:problem:{}", self.slug()),
+            "title": self.title(),
+            "status": status.as_u16(),
+            "detail": self.detail(),
+        });
+        let mut response = Response::new(ResponseBody::full(Bytes::from(doc.to_string())));
+        *response.status_mut() = status;
+        let headers = response.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        if matches!(self, Problem::RequestInFlight | Problem::StoreUnavailable) {
+            headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_follow_fault_and_retryability() {
+        for p in [
+            Problem::KeyMissing(String::new()),
+            Problem::KeyInvalid(String::new()),
+            Problem::KeyReused,
+            Problem::RequestInFlight,
+            Problem::BodyTooLarge { limit: 1 },
+            Problem::ResponseNotReplayable,
+            Problem::BadRequest(String::new()),
+        ] {
+            assert_eq!(p.fault(), Fault::Client);
+            assert!(p.status().is_client_error(), "{p:?}");
+        }
+        for p in [
+            Problem::UpstreamUnavailable(String::new()),
+            Problem::UpstreamTimeout,
+            Problem::OutcomeUnknown,
+            Problem::StoreUnavailable,
+        ] {
+            assert!(p.status().is_server_error(), "{p:?}");
+        }
+    }
+}

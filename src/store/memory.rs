@@ -1,0 +1,358 @@
+//! The in-process store: sharded maps behind `std::sync::Mutex`es (never
+//! held across an `.await`), leases and TTLs as deadlines swept by a
+//! background task, and a byte budget that evicts the oldest completed
+//! records first (never an in-flight claim).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::{Claim, Fingerprint, Outcome, Owner, RecordKey, Store, StoreError};
+
+const SHARDS: usize = 16;
+/// Bytes a record costs besides its response.
+const OVERHEAD: usize = 160;
+
+pub struct MemoryStore {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    shards: Box<[Mutex<Shard>]>,
+    budget_per_shard: usize,
+}
+
+#[derive(Default)]
+struct Shard {
+    entries: HashMap<RecordKey, Entry>,
+    /// Every entry by its deadline (lease end or TTL end), for the sweeper.
+    deadlines: BTreeMap<(Instant, u64), RecordKey>,
+    /// Completed entries by completion order, for eviction.
+    completed: BTreeMap<u64, RecordKey>,
+    bytes: usize,
+    seq: u64,
+}
+
+struct Entry {
+    fingerprint: Fingerprint,
+    deadline: (Instant, u64),
+    state: State,
+}
+
+enum State {
+    InFlight { owner: Owner, done: Arc<Notify> },
+    Done { outcome: Outcome, order: u64, size: usize },
+}
+
+impl MemoryStore {
+    /// A store that keeps at most about `max_memory` bytes of records.
+    pub fn new(max_memory: u64) -> MemoryStore {
+        let shared = Arc::new(Shared {
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            budget_per_shard: usize::try_from(max_memory).unwrap_or(usize::MAX) / SHARDS,
+        });
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(sweep(Arc::downgrade(&shared)));
+        }
+        MemoryStore { shared }
+    }
+
+    /// Bytes held by completed records.
+    pub fn stored_bytes(&self) -> usize {
+        self.shared.shards.iter().map(|s| lock(s).bytes).sum()
+    }
+
+    fn shard(&self, key: &RecordKey) -> MutexGuard<'_, Shard> {
+        lock(&self.shared.shards[key.0[0] as usize % SHARDS])
+    }
+}
+
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // A panic while holding the lock cannot leave a shard half-updated in a
+    // way that matters more than losing the process, so carry on.
+    shard.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn outcome_size(outcome: &Outcome) -> usize {
+    OVERHEAD
+        + match outcome {
+            Outcome::Response(r) => r.size(),
+            Outcome::NotReplayable | Outcome::Unknown => 0,
+        }
+}
+
+impl Shard {
+    fn next_seq(&mut self) -> u64 {
+        self.seq += 1;
+        self.seq
+    }
+
+    /// The entry under `key`, unless its deadline has passed (then it is removed).
+    fn live(&mut self, key: &RecordKey, now: Instant) -> Option<&mut Entry> {
+        let expired = self.entries.get(key).is_some_and(|e| e.deadline.0 <= now);
+        if expired {
+            self.remove(key);
+        }
+        self.entries.get_mut(key)
+    }
+
+    fn remove(&mut self, key: &RecordKey) -> Option<Entry> {
+        let entry = self.entries.remove(key)?;
+        self.deadlines.remove(&entry.deadline);
+        match &entry.state {
+            State::InFlight { done, .. } => done.notify_waiters(),
+            State::Done { order, size, .. } => {
+                self.completed.remove(order);
+                self.bytes -= size;
+            }
+        }
+        Some(entry)
+    }
+
+    fn set_deadline(&mut self, key: &RecordKey, at: Instant) {
+        let slot = (at, self.next_seq());
+        if let Some(entry) = self.entries.get_mut(key) {
+            let old = std::mem::replace(&mut entry.deadline, slot);
+            self.deadlines.remove(&old);
+            self.deadlines.insert(slot, *key);
+        }
+    }
+
+    /// The in-flight entry of `key` if `owner` holds it.
+    fn owned(&mut self, key: &RecordKey, owner: Owner, now: Instant) -> Option<&mut Entry> {
+        self.live(key, now)
+            .filter(|e| matches!(e.state, State::InFlight { owner: o, .. } if o == owner))
+    }
+
+    fn evict_to(&mut self, budget: usize) {
+        while self.bytes > budget {
+            let Some((_, key)) = self.completed.pop_first() else {
+                break;
+            };
+            // `remove` finds the order gone already; account for it here.
+            if let Some(entry) = self.entries.remove(&key) {
+                self.deadlines.remove(&entry.deadline);
+                if let State::Done { size, .. } = entry.state {
+                    self.bytes -= size;
+                }
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: Owner,
+        lease: Duration,
+        refresh_ttl: Option<Duration>,
+    ) -> Result<Claim, StoreError> {
+        let now = Instant::now();
+        let mut shard = self.shard(key);
+        if let Some(entry) = shard.live(key, now) {
+            let found = entry.fingerprint;
+            return Ok(match &entry.state {
+                State::InFlight { .. } => Claim::InFlight {
+                    fingerprint: found,
+                    lease_left: entry.deadline.0 - now,
+                },
+                State::Done { outcome, .. } => {
+                    let outcome = outcome.clone();
+                    if let Some(ttl) = refresh_ttl.filter(|_| found == *fingerprint) {
+                        shard.set_deadline(key, now + ttl);
+                    }
+                    Claim::Completed {
+                        fingerprint: found,
+                        outcome,
+                    }
+                }
+            });
+        }
+        let deadline = (now + lease, shard.next_seq());
+        shard.deadlines.insert(deadline, *key);
+        shard.entries.insert(
+            *key,
+            Entry {
+                fingerprint: *fingerprint,
+                deadline,
+                state: State::InFlight {
+                    owner,
+                    done: Arc::new(Notify::new()),
+                },
+            },
+        );
+        Ok(Claim::Claimed)
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: Owner,
+        outcome: Outcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let now = Instant::now();
+        let mut shard = self.shard(key);
+        let order = shard.next_seq();
+        let size = outcome_size(&outcome);
+        let Some(entry) = shard.owned(key, owner, now) else {
+            return Ok(false);
+        };
+        let previous = std::mem::replace(&mut entry.state, State::Done { outcome, order, size });
+        if let State::InFlight { done, .. } = previous {
+            done.notify_waiters();
+        }
+        shard.completed.insert(order, *key);
+        shard.bytes += size;
+        shard.set_deadline(key, now + ttl);
+        let budget = self.shared.budget_per_shard;
+        shard.evict_to(budget);
+        Ok(true)
+    }
+
+    async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
+        let mut shard = self.shard(key);
+        if shard.owned(key, owner, Instant::now()).is_none() {
+            return Ok(false);
+        }
+        shard.remove(key);
+        Ok(true)
+    }
+
+    async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {
+        let now = Instant::now();
+        let mut shard = self.shard(key);
+        if shard.owned(key, owner, now).is_none() {
+            return Ok(false);
+        }
+        shard.set_deadline(key, now + lease);
+        Ok(true)
+    }
+
+    async fn wait(&self, key: &RecordKey, timeout: Duration) -> Result<(), StoreError> {
+        let now = Instant::now();
+        let (done, lease_end) = {
+            let mut shard = self.shard(key);
+            match shard.live(key, now) {
+                Some(Entry {
+                    state: State::InFlight { done, .. },
+                    deadline,
+                    ..
+                }) => (done.clone(), deadline.0),
+                _ => return Ok(()),
+            }
+        };
+        // `notify_waiters` wakes only futures that exist: create and enable
+        // one, then check the claim is still the one seen above.
+        let notified = done.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let still_in_flight = matches!(
+            self.shard(key).live(key, Instant::now()),
+            Some(Entry { state: State::InFlight { done: d, .. }, .. }) if Arc::ptr_eq(d, &done)
+        );
+        if still_in_flight {
+            // The lease's end is a change too: nobody may notify for it.
+            let until = (now + timeout).min(lease_end);
+            let _ = tokio::time::timeout_at(until, notified).await;
+        }
+        Ok(())
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    fn stored_bytes(&self) -> Option<usize> {
+        Some(MemoryStore::stored_bytes(self))
+    }
+}
+
+/// Removes entries whose deadline has passed, a bounded batch at a time so a
+/// shard's lock is never held for long. Stops when the store is dropped.
+async fn sweep(shared: Weak<Shared>) {
+    const BATCH: usize = 512;
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(shared) = shared.upgrade() else { return };
+        let now = Instant::now();
+        for shard in shared.shards.iter() {
+            loop {
+                let mut shard = lock(shard);
+                let expired: Vec<RecordKey> = shard.deadlines.range(..(now, 0)).take(BATCH).map(|(_, k)| *k).collect();
+                for key in &expired {
+                    shard.remove(key);
+                }
+                if expired.len() < BATCH {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoredResponse;
+    use bytes::Bytes;
+    use http::StatusCode;
+
+    fn response(len: usize) -> Outcome {
+        Outcome::Response(Arc::new(StoredResponse {
+            status: StatusCode::CREATED,
+            headers: vec![],
+            body: Bytes::from(vec![b'x'; len]),
+        }))
+    }
+
+    #[tokio::test]
+    async fn budget_evicts_oldest_completed_never_in_flight() {
+        let store = MemoryStore::new((SHARDS * 10_000) as u64);
+        let fp = Fingerprint([0; 32]);
+        let lease = Duration::from_secs(30);
+        let ttl = Duration::from_secs(3600);
+        // All keys in shard 0.
+        let key = |i: u8| {
+            let mut k = [0u8; 32];
+            k[1] = i;
+            RecordKey(k)
+        };
+        let in_flight = key(200);
+        assert_eq!(
+            store.claim(&in_flight, &fp, Owner(1), lease, None).await.unwrap(),
+            Claim::Claimed
+        );
+        for i in 0..10u8 {
+            let owner = Owner(100 + i as u128);
+            assert_eq!(
+                store.claim(&key(i), &fp, owner, lease, None).await.unwrap(),
+                Claim::Claimed
+            );
+            assert!(store.complete(&key(i), owner, response(3000), ttl).await.unwrap());
+        }
+        assert!(store.stored_bytes() <= 10_000);
+        // The oldest went first, the newest stayed, and the claim is untouched.
+        assert_eq!(
+            store.claim(&key(0), &fp, Owner(9), lease, None).await.unwrap(),
+            Claim::Claimed
+        );
+        assert!(matches!(
+            store.claim(&key(9), &fp, Owner(9), lease, None).await.unwrap(),
+            Claim::Completed { .. }
+        ));
+        assert!(matches!(
+            store.claim(&in_flight, &fp, Owner(9), lease, None).await.unwrap(),
+            Claim::InFlight { .. }
+        ));
+    }
+}

@@ -1,0 +1,241 @@
+//! The store contract: atomic claims, owner-checked completion, release and
+//! lease renewal, and waiting for a record to change.
+//!
+//! Every backend implements [`Store`]; the proxy holds a [`StoreHandle`],
+//! which puts a deadline on every call so a store that hangs is an error, not
+//! a hung request.
+
+mod memory;
+
+use std::fmt;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, StatusCode};
+
+pub use memory::MemoryStore;
+
+use crate::config::{StoreBackend, StoreConfig};
+
+/// Where a record lives: SHA-256 over the scope values and the key.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RecordKey(pub [u8; 32]);
+
+impl RecordKey {
+    /// A short, non-reversible tag for logs: never the key itself.
+    pub fn tag(&self) -> String {
+        hex::encode(&self.0[..6])
+    }
+}
+
+impl fmt::Debug for RecordKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RecordKey({})", self.tag())
+    }
+}
+
+/// SHA-256 of what makes two requests "the same request".
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct Fingerprint(pub [u8; 32]);
+
+/// The token of the proxy request that holds a claim. Completion, release
+/// and renewal check it, so a holder whose lease ran out can never touch its
+/// successor's record.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct Owner(pub u128);
+
+impl Owner {
+    /// A fresh token: a per-process random half and a counter.
+    pub fn new() -> Owner {
+        static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let nonce = *NONCE.get_or_init(|| RandomState::new().hash_one(std::process::id()));
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        Owner(((nonce as u128) << 64) | n as u128)
+    }
+}
+
+impl Default for Owner {
+    fn default() -> Self {
+        Owner::new()
+    }
+}
+
+/// A backend answer kept for replay.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredResponse {
+    pub status: StatusCode,
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    pub body: Bytes,
+}
+
+impl StoredResponse {
+    /// Approximate bytes the record occupies, for memory accounting.
+    pub fn size(&self) -> usize {
+        let headers: usize = self.headers.iter().map(|(n, v)| n.as_str().len() + v.len() + 32).sum();
+        self.body.len() + headers + 64
+    }
+}
+
+/// How a claimed request ended, as kept in its record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The answer, replayed to every retry.
+    Response(Arc<StoredResponse>),
+    /// Delivered once but too large to keep: retries get `response-not-replayable`.
+    NotReplayable,
+    /// The upstream may or may not have acted: retries get `outcome-unknown`.
+    Unknown,
+}
+
+/// What a claim found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// The key is ours: forward the request.
+    Claimed,
+    /// Another request holds the key.
+    InFlight {
+        fingerprint: Fingerprint,
+        lease_left: Duration,
+    },
+    /// The key has a completed record.
+    Completed { fingerprint: Fingerprint, outcome: Outcome },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("store unavailable")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("store record is corrupt: {0}")]
+    Corrupt(&'static str),
+}
+
+/// One storage backend. Each operation is atomic on its own.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Claims `key` for `owner` with a lease, or reports what holds it.
+    /// With `refresh_ttl`, a completed record with the same fingerprint has
+    /// its time-to-live restarted in the same step.
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: Owner,
+        lease: Duration,
+        refresh_ttl: Option<Duration>,
+    ) -> Result<Claim, StoreError>;
+
+    /// Turns `owner`'s claim into a completed record kept for `ttl`.
+    /// Returns false (and changes nothing) when `owner` no longer holds it.
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: Owner,
+        outcome: Outcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError>;
+
+    /// Drops `owner`'s claim so the next request runs again.
+    async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError>;
+
+    /// Extends `owner`'s lease to `lease` from now.
+    async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError>;
+
+    /// Returns when the in-flight claim on `key` may have ended (completed,
+    /// released or expired), or after `timeout`. Returns at once when `key`
+    /// is not in flight. Never polls in a loop.
+    async fn wait(&self, key: &RecordKey, timeout: Duration) -> Result<(), StoreError>;
+
+    /// Whether the store answers.
+    async fn ping(&self) -> Result<(), StoreError>;
+
+    /// Bytes of records held in this process, for stores that hold them.
+    fn stored_bytes(&self) -> Option<usize> {
+        None
+    }
+}
+
+/// The store as the proxy uses it: a backend plus a deadline on every call.
+#[derive(Clone)]
+pub struct StoreHandle {
+    store: Arc<dyn Store>,
+    timeout: Duration,
+}
+
+impl StoreHandle {
+    pub fn new(store: Arc<dyn Store>, timeout: Duration) -> StoreHandle {
+        StoreHandle { store, timeout }
+    }
+
+    /// Opens the backend `config` names.
+    pub fn open(config: &StoreConfig) -> Result<StoreHandle, OpenError> {
+        let store: Arc<dyn Store> = match &config.backend {
+            StoreBackend::Memory { max_memory } => Arc::new(MemoryStore::new(*max_memory)),
+            StoreBackend::Embedded { .. } => return Err(OpenError::NotBuilt("embedded")),
+            StoreBackend::Redis { .. } | StoreBackend::RedisCluster { .. } => return Err(OpenError::NotBuilt("redis")),
+        };
+        Ok(StoreHandle::new(store, config.timeout))
+    }
+
+    async fn deadline<T>(&self, op: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, op).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
+
+    pub async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: Owner,
+        lease: Duration,
+        refresh_ttl: Option<Duration>,
+    ) -> Result<Claim, StoreError> {
+        self.deadline(self.store.claim(key, fingerprint, owner, lease, refresh_ttl))
+            .await
+    }
+
+    pub async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: Owner,
+        outcome: Outcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.deadline(self.store.complete(key, owner, outcome, ttl)).await
+    }
+
+    pub async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
+        self.deadline(self.store.release(key, owner)).await
+    }
+
+    pub async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {
+        self.deadline(self.store.renew(key, owner, lease)).await
+    }
+
+    /// Waits for `key` to leave flight; bounded by `timeout`, not the store deadline.
+    pub async fn wait(&self, key: &RecordKey, timeout: Duration) -> Result<(), StoreError> {
+        self.store.wait(key, timeout).await
+    }
+
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.deadline(self.store.ping()).await
+    }
+
+    pub fn stored_bytes(&self) -> Option<usize> {
+        self.store.stored_bytes()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("the {0} store is not available in this build yet; use store.backend = \"memory\"")]
+    NotBuilt(&'static str),
+}

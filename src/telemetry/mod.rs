@@ -1,0 +1,21 @@
+//! Logging through `tracing` and the process's metrics.
+
+pub mod metrics;
+
+pub use metrics::{Metrics, Outcome, RouteCounters};
+
+/// Installs the global subscriber: `RUST_LOG` filters (default `info`),
+/// `IDEMGATE_LOG_FORMAT=json` selects JSON lines instead of text.
+pub fn init() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let json = std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
+    let _ = if json {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+}

@@ -1,0 +1,386 @@
+//! Test support: the real proxy started in-process on port 0, a real fake
+//! upstream (a hyper server on port 0 that counts hits and behaves as told),
+//! and a small HTTP client.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http_body::Frame;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use idemgate::config::Config;
+use idemgate::proxy::ResponseBody;
+use idemgate::server::Server;
+use idemgate::store::{MemoryStore, StoreHandle};
+use idemgate::telemetry::Metrics;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+
+/// A request as the upstream saw it.
+#[derive(Clone, Debug)]
+pub struct Seen {
+    pub method: Method,
+    pub uri: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+/// What the fake upstream does with one request.
+#[derive(Clone, Debug)]
+pub enum Reply {
+    /// Answer after `delay`: status, headers, and the body in chunks with
+    /// `gap` between them.
+    Answer {
+        delay: Duration,
+        status: StatusCode,
+        headers: Vec<(&'static str, String)>,
+        chunks: Vec<Bytes>,
+        gap: Duration,
+    },
+    /// Close the connection without an answer, after `delay`.
+    Reset { delay: Duration },
+    /// Send the head and the first chunk, then break off.
+    BreakOff,
+}
+
+impl Reply {
+    /// 201 with a small JSON body naming the hit number.
+    pub fn created(hit: usize) -> Reply {
+        Reply::Answer {
+            delay: Duration::ZERO,
+            status: StatusCode::CREATED,
+            headers: vec![("content-type", "application/json".into()), ("x-hit", hit.to_string())],
+            chunks: vec![Bytes::from(format!("{{\"order\":{hit}}}"))],
+            gap: Duration::ZERO,
+        }
+    }
+
+    pub fn status(status: u16, body: &str) -> Reply {
+        Reply::Answer {
+            delay: Duration::ZERO,
+            status: StatusCode::from_u16(status).unwrap(),
+            headers: vec![],
+            chunks: vec![Bytes::from(body.to_string())],
+            gap: Duration::ZERO,
+        }
+    }
+
+    pub fn delayed(self, by: Duration) -> Reply {
+        match self {
+            Reply::Answer {
+                status,
+                headers,
+                chunks,
+                gap,
+                ..
+            } => Reply::Answer {
+                delay: by,
+                status,
+                headers,
+                chunks,
+                gap,
+            },
+            other => other,
+        }
+    }
+}
+
+type Behaviour = Arc<dyn Fn(usize, &Seen) -> Reply + Send + Sync>;
+
+/// A real HTTP server on a loopback port that counts its hits.
+pub struct Upstream {
+    pub addr: SocketAddr,
+    hits: Arc<AtomicUsize>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    _stop: oneshot::Sender<()>,
+}
+
+impl Upstream {
+    /// Answers every request with `behaviour(hit_number, request)`; hits count from 1.
+    pub async fn start(behaviour: impl Fn(usize, &Seen) -> Reply + Send + Sync + 'static) -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let behaviour: Behaviour = Arc::new(behaviour);
+        let (stop, mut stopped) = oneshot::channel::<()>();
+        let (h, s) = (hits.clone(), seen.clone());
+        tokio::spawn(async move {
+            loop {
+                let stream = tokio::select! {
+                    accepted = listener.accept() => accepted.unwrap().0,
+                    _ = &mut stopped => return,
+                };
+                let (hits, seen, behaviour) = (h.clone(), s.clone(), behaviour.clone());
+                let service = service_fn(move |req: Request<Incoming>| {
+                    let (hits, seen, behaviour) = (hits.clone(), seen.clone(), behaviour.clone());
+                    async move { answer(req, &hits, &seen, &behaviour).await }
+                });
+                tokio::spawn(async move {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Upstream {
+            addr,
+            hits,
+            seen,
+            _stop: stop,
+        }
+    }
+
+    /// Answers 201 to everything.
+    pub async fn created() -> Upstream {
+        Upstream::start(|hit, _| Reply::created(hit)).await
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+
+    pub fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+#[derive(Debug)]
+struct Reset;
+impl std::fmt::Display for Reset {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("reset by the test upstream")
+    }
+}
+impl std::error::Error for Reset {}
+
+async fn answer(
+    req: Request<Incoming>,
+    hits: &AtomicUsize,
+    seen: &Mutex<Vec<Seen>>,
+    behaviour: &Behaviour,
+) -> Result<Response<ResponseBody>, Reset> {
+    let (parts, body) = req.into_parts();
+    let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    let request = Seen {
+        method: parts.method,
+        uri: parts.uri.to_string(),
+        headers: parts.headers,
+        body,
+    };
+    let hit = hits.fetch_add(1, Ordering::SeqCst) + 1;
+    seen.lock().unwrap().push(request.clone());
+    match behaviour(hit, &request) {
+        Reply::Reset { delay } => {
+            tokio::time::sleep(delay).await;
+            Err(Reset)
+        }
+        Reply::BreakOff => {
+            let (tx, rx) = mpsc::channel(4);
+            tokio::spawn(async move {
+                let _ = tx.send(Ok(Frame::data(Bytes::from_static(b"partial")))).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let _ = tx.send(Err("broken".into())).await;
+            });
+            let mut response = Response::new(ResponseBody::Channel(rx));
+            response
+                .headers_mut()
+                .insert("content-length", HeaderValue::from_static("1000"));
+            Ok(response)
+        }
+        Reply::Answer {
+            delay,
+            status,
+            headers,
+            chunks,
+            gap,
+        } => {
+            tokio::time::sleep(delay).await;
+            let body = if chunks.len() <= 1 && gap.is_zero() {
+                ResponseBody::full(chunks.into_iter().next().unwrap_or_default())
+            } else {
+                let (tx, rx) = mpsc::channel(1);
+                tokio::spawn(async move {
+                    for (i, chunk) in chunks.into_iter().enumerate() {
+                        if i > 0 {
+                            tokio::time::sleep(gap).await;
+                        }
+                        if tx.send(Ok(Frame::data(chunk))).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+                ResponseBody::Channel(rx)
+            };
+            let mut response = Response::new(body);
+            *response.status_mut() = status;
+            for (name, value) in headers {
+                response
+                    .headers_mut()
+                    .append(name, HeaderValue::from_str(&value).unwrap());
+            }
+            Ok(response)
+        }
+    }
+}
+
+/// The real proxy, served in-process on loopback port 0.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    pub admin: Option<SocketAddr>,
+    pub metrics: Arc<Metrics>,
+    pub store: StoreHandle,
+    stop: Option<oneshot::Sender<()>>,
+    done: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Proxy {
+    /// Starts idemgate with `toml` (its `[upstream]`, `[server].listen` and
+    /// `[server].admin_listen` are filled in) in front of `upstream`, on a
+    /// memory store.
+    pub async fn start(upstream: &str, toml: &str) -> Proxy {
+        let store = StoreHandle::new(Arc::new(MemoryStore::new(64 << 20)), Duration::from_secs(1));
+        Proxy::start_with_store(upstream, toml, store).await
+    }
+
+    pub async fn start_with_store(upstream: &str, toml: &str, store: StoreHandle) -> Proxy {
+        let text = with_basics(upstream, toml);
+        let config = Config::parse(&text, "test.toml").unwrap_or_else(|e| panic!("{e}"));
+        let server = Server::bind_with_store(config, store.clone()).await.unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let (addr, admin, metrics) = (server.local_addr(), server.admin_addr(), server.metrics());
+        let done = tokio::spawn(server.run(async {
+            let _ = stopped.await;
+        }));
+        Proxy {
+            addr,
+            admin,
+            metrics,
+            store,
+            stop: Some(stop),
+            done: Some(done),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// Stops accepting and waits for the drain to finish.
+    pub async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.done.take().unwrap().await.unwrap();
+    }
+}
+
+/// Puts `[upstream]` and loopback port-0 listeners in front of `toml`.
+pub fn with_basics(upstream: &str, toml: &str) -> String {
+    let mut text = toml.to_string();
+    if !text.contains("[server]") {
+        text = format!("[server]\n{text}");
+    }
+    text = text.replacen(
+        "[server]",
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"",
+        1,
+    );
+    if !text.contains("[upstream]") {
+        text = format!("[upstream]\nurl = \"{upstream}\"\n{text}");
+    } else {
+        text = text.replacen("[upstream]", &format!("[upstream]\nurl = \"{upstream}\""), 1);
+    }
+    text
+}
+
+/// An answer as the client saw it.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    /// The `type` of a problem document, less its prefix.
+    pub fn problem(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "not a problem: {self:?}"
+        );
+        let doc: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
+        assert_eq!(doc["status"], self.status.as_u16(), "{doc}");
+        assert!(doc["title"].is_string() && doc["detail"].is_string(), "{doc}");
+        let kind = doc["type"].as_str().unwrap();
+        kind.rsplit(':').next().unwrap().to_string()
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// A pooled HTTP/1.1 client for tests.
+#[derive(Clone)]
+pub struct TestClient {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Default for TestClient {
+    fn default() -> Self {
+        TestClient {
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+}
+
+impl TestClient {
+    pub async fn send(&self, method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> Answer {
+        let mut request = Request::builder().method(method).uri(url);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request.body(Full::new(Bytes::from(body.to_string()))).unwrap();
+        let response = self.client.request(request).await.expect("request failed");
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.expect("body failed").to_bytes();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
+    /// POST with an Idempotency-Key.
+    pub async fn post(&self, url: &str, key: &str, body: &str) -> Answer {
+        self.send(
+            "POST",
+            url,
+            &[("idempotency-key", key), ("content-type", "application/json")],
+            body,
+        )
+        .await
+    }
+}
