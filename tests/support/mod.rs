@@ -258,6 +258,9 @@ impl Proxy {
     }
 
     pub async fn start_with_store(upstream: &str, toml: &str, store: StoreHandle) -> Proxy {
+        if std::env::var_os("RUST_LOG").is_some() {
+            let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+        }
         let text = with_basics(upstream, toml);
         let config = Config::parse(&text, "test.toml").unwrap_or_else(|e| panic!("{e}"));
         let server = Server::bind_with_store(config, store.clone()).await.unwrap();

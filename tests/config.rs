@@ -1,0 +1,271 @@
+//! The configuration file and the command line (SPEC §1 and §2).
+
+use std::process::Command;
+use std::time::Duration;
+
+use idemgate::config::{BodyMode, Config, DeriveField, Mode, OnInFlight, StoreBackend};
+
+const EXAMPLE: &str = include_str!("../config.example.toml");
+
+fn idemgate(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn temp_file(name: &str, text: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("idemgate-config-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn the_example_parses_and_mentions_every_option() {
+    let config = Config::parse(EXAMPLE, "config.example.toml").unwrap();
+    assert_eq!(config.routes.len(), 3);
+    let options = [
+        "listen",
+        "admin_listen",
+        "tls",
+        "max_request_body",
+        "header_read_timeout",
+        "shutdown_grace",
+        "url",
+        "connect_timeout",
+        "timeout",
+        "ca",
+        "backend",
+        "path",
+        "urls",
+        "max_memory",
+        "on_error",
+        "methods",
+        "ttl",
+        "lock_timeout",
+        "scope",
+        "on_in_flight",
+        "wait_timeout",
+        "on_server_error",
+        "on_upstream_failure",
+        "refresh_ttl_on_replay",
+        "max_response_body",
+        "forward_key_header",
+        "replay_drop_headers",
+        "mode",
+        "header",
+        "required",
+        "max_length",
+        "derive",
+        "headers",
+        "body",
+        "ignore",
+        "name",
+        "host",
+        "upstream",
+        "key",
+        "fingerprint",
+    ];
+    for option in options {
+        let mentioned = EXAMPLE.lines().any(|line| {
+            let line = line.trim_start_matches(['#', ' ']);
+            line.starts_with(&format!("{option} ="))
+                || line.contains(&format!(" {option} = "))
+                || line.contains(&format!("{{ {option} ="))
+        });
+        assert!(mentioned, "config.example.toml does not show `{option}`");
+    }
+}
+
+#[test]
+fn routes_override_defaults_field_by_field() {
+    let config = Config::parse(
+        r#"
+[upstream]
+url = "http://127.0.0.1:1"
+[store]
+backend = "memory"
+[defaults]
+ttl = "2h"
+on_in_flight = "wait"
+[defaults.key]
+max_length = 40
+derive = ["body:/id"]
+[defaults.fingerprint]
+body = "json"
+ignore = ["/ts"]
+[[route]]
+name = "a"
+path = "/a"
+[[route]]
+name = "b"
+path = "/b/{id}"
+ttl = "5m"
+mode = "shadow"
+key = { required = false, derive = ["path:id", "header:X-Tenant"] }
+fingerprint = { body = "none" }
+"#,
+        "t.toml",
+    )
+    .unwrap();
+    let (a, b) = (&config.routes[0].policy, &config.routes[1].policy);
+    assert_eq!(a.ttl, Duration::from_secs(7200));
+    assert_eq!(a.on_in_flight, OnInFlight::Wait);
+    assert_eq!(a.key.max_length, 40);
+    assert_eq!(a.fingerprint.ignore, vec!["/ts".to_string()]);
+    assert_eq!(b.ttl, Duration::from_secs(300));
+    assert_eq!(b.mode, Mode::Shadow);
+    assert_eq!(b.on_in_flight, OnInFlight::Wait, "inherited");
+    assert!(!b.key.required);
+    assert_eq!(b.key.max_length, 40, "inherited inside key");
+    assert_eq!(
+        b.key.derive,
+        vec![
+            DeriveField::Header("x-tenant".parse().unwrap()),
+            DeriveField::Path("id".into())
+        ],
+        "sorted"
+    );
+    assert_eq!(b.fingerprint.body, BodyMode::None);
+    assert_eq!(
+        b.fingerprint.ignore,
+        vec!["/ts".to_string()],
+        "inherited inside fingerprint"
+    );
+    assert!(matches!(config.store.backend, StoreBackend::Memory { max_memory } if max_memory == 256 << 20));
+}
+
+#[test]
+fn every_problem_is_reported_at_once_by_field() {
+    let error = Config::parse(
+        r#"
+[server]
+max_request_body = "12 parsecs"
+[upstream]
+url = "ftp://example"
+[defaults]
+ttl = "0s"
+on_server_error = "sometimes"
+[[route]]
+name = "a"
+path = "/a/{id}"
+key = { derive = ["path:nope"] }
+[[route]]
+name = "a"
+path = "no-slash"
+lock_timeout = "soon"
+methods = ["post"]
+fingerprint = { ignore = ["ts"] }
+colour = "blue"
+"#,
+        "broken.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    for expected in [
+        "broken.toml",
+        "server.max_request_body",
+        "upstream.url",
+        "defaults.ttl",
+        "defaults.on_server_error",
+        "route[0].key.derive",
+        "route[1].name",
+        "route[1].path",
+        "route[1].lock_timeout",
+        "route[1].methods",
+        "route[1].fingerprint.ignore",
+        "route[1].colour",
+    ] {
+        assert!(error.contains(expected), "`{expected}` missing from:\n{error}");
+    }
+}
+
+#[test]
+fn syntax_errors_name_the_file_line_and_column() {
+    let error = Config::parse("[upstream]\nurl = \"http://x\"\n[server]\nlisten = \n", "syntax.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("syntax.toml"), "{error}");
+    assert!(error.contains("line 4"), "{error}");
+    let unknown = Config::parse("[upstream]\nurl = \"http://x\"\nretries = 3\n", "unknown.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(unknown.contains("retries"), "{unknown}");
+}
+
+#[test]
+fn a_missing_upstream_url_is_named() {
+    let error = Config::parse("[store]\nbackend = \"memory\"\n", "x.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("upstream.url"), "{error}");
+}
+
+#[test]
+fn sizes_and_durations() {
+    let config = Config::parse(
+        "[upstream]\nurl = \"http://h:1\"\n[server]\nmax_request_body = \"64KiB\"\nshutdown_grace = \"1m 30s\"\n[store]\nbackend = \"memory\"\nmax_memory = 4096\n",
+        "x.toml",
+    )
+    .unwrap();
+    assert_eq!(config.server.max_request_body, 65536);
+    assert_eq!(config.server.shutdown_grace, Duration::from_secs(90));
+    assert!(matches!(
+        config.store.backend,
+        StoreBackend::Memory { max_memory: 4096 }
+    ));
+}
+
+#[test]
+fn check_prints_each_route_and_exits_zero() {
+    let output = idemgate(&["check", "--config", "config.example.toml"]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    for name in ["create-order", "update-order", "incidents"] {
+        assert!(stdout.contains(&format!("route {name}")), "{stdout}");
+    }
+}
+
+#[test]
+fn a_bad_config_exits_non_zero_before_binding_any_port() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let path = temp_file(
+        "bad.toml",
+        &format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\n[upstream]\nurl = \"http://127.0.0.1:1\"\n[defaults]\nttl = \"never\"\n"
+        ),
+    );
+    for args in [
+        vec!["--config", path.to_str().unwrap()],
+        vec!["serve", "--config", path.to_str().unwrap()],
+        vec!["check", "--config", path.to_str().unwrap()],
+    ] {
+        let output = idemgate(&args);
+        assert_eq!(output.status.code(), Some(1), "{args:?}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("bad.toml") && stderr.contains("defaults.ttl"),
+            "{stderr}"
+        );
+    }
+    // Nothing was bound: the port is still free.
+    std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    let missing = idemgate(&["check", "--config", "/nonexistent/idemgate.toml"]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/idemgate.toml"));
+}
+
+#[test]
+fn help_and_version() {
+    let help = idemgate(&["--help"]);
+    assert!(help.status.success());
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(text.contains("check") && text.contains("--config"), "{text}");
+    let version = idemgate(&["--version"]);
+    assert!(String::from_utf8_lossy(&version.stdout).contains(env!("CARGO_PKG_VERSION")));
+}

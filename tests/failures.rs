@@ -1,0 +1,290 @@
+//! Failures: SPEC §3 points 5 and 6. Every exit path settles the claim.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::StatusCode;
+use idemgate::store::{Claim, Fingerprint, MemoryStore, Owner, RecordKey, StoreHandle};
+use support::{Proxy, Reply, TestClient, Upstream};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn route(extra: &str) -> String {
+    format!(
+        r#"
+[upstream]
+timeout = "400ms"
+[[route]]
+name = "orders"
+path = "/v1/orders"
+{extra}
+"#
+    )
+}
+
+#[tokio::test]
+async fn an_unreachable_upstream_is_502_and_the_claim_is_released() {
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    // Even with "unknown": the request was never sent.
+    let proxy = Proxy::start(&url, &route(r#"on_upstream_failure = "unknown""#)).await;
+    let client = TestClient::default();
+    for _ in 0..2 {
+        let answer = client.post(&proxy.url("/v1/orders"), "k", "{}").await;
+        assert_eq!(answer.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(answer.problem(), "upstream-unavailable");
+    }
+}
+
+#[tokio::test]
+async fn a_timeout_is_504_and_release_lets_the_retry_run_again() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_secs(2))).await;
+    let proxy = Proxy::start(&upstream.url(), &route("")).await;
+    let client = TestClient::default();
+    for hit in 1..=2 {
+        let answer = client.post(&proxy.url("/v1/orders"), "k", "{}").await;
+        assert_eq!(answer.status, StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(answer.problem(), "upstream-timeout");
+        assert_eq!(upstream.hits(), hit);
+    }
+}
+
+#[tokio::test]
+async fn with_unknown_a_timeout_keeps_the_key_and_retries_get_outcome_unknown() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_secs(2))).await;
+    let proxy = Proxy::start(&upstream.url(), &route(r#"on_upstream_failure = "unknown""#)).await;
+    let client = TestClient::default();
+    let first = client.post(&proxy.url("/v1/orders"), "k", "{}").await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
+    for _ in 0..3 {
+        let retry = client.post(&proxy.url("/v1/orders"), "k", "{}").await;
+        assert_eq!(retry.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(retry.problem(), "outcome-unknown");
+    }
+    assert_eq!(upstream.hits(), 1, "at most once");
+}
+
+#[tokio::test]
+async fn a_reset_after_sending_follows_on_upstream_failure() {
+    let upstream = Upstream::start(|_, _| Reply::Reset {
+        delay: Duration::from_millis(20),
+    })
+    .await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        r#"
+[[route]]
+name = "release"
+path = "/release"
+[[route]]
+name = "unknown"
+path = "/unknown"
+on_upstream_failure = "unknown"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    for _ in 0..2 {
+        let answer = client.post(&proxy.url("/release"), "a", "{}").await;
+        assert_eq!(answer.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(answer.problem(), "upstream-unavailable");
+    }
+    assert_eq!(upstream.hits(), 2);
+    for _ in 0..2 {
+        let answer = client.post(&proxy.url("/unknown"), "b", "{}").await;
+        assert_eq!(answer.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(answer.problem(), "outcome-unknown");
+    }
+    assert_eq!(upstream.hits(), 3);
+}
+
+#[tokio::test]
+async fn a_body_that_breaks_off_is_not_recorded_and_the_client_sees_the_break() {
+    let upstream = Upstream::start(|_, _| Reply::BreakOff).await;
+    let proxy = Proxy::start(&upstream.url(), &route("")).await;
+    let client: hyper_util::client::legacy::Client<_, http_body_util::Full<Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+    for hit in 1..=2 {
+        let request = http::Request::post(proxy.url("/v1/orders"))
+            .header("idempotency-key", "broken")
+            .body(http_body_util::Full::new(Bytes::new()))
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        use http_body_util::BodyExt;
+        assert!(
+            response.into_body().collect().await.is_err(),
+            "a truncated body must not look whole"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(upstream.hits(), hit, "released: the retry runs again");
+    }
+}
+
+#[tokio::test]
+async fn server_errors_are_released_or_stored_per_on_server_error() {
+    let upstream = Upstream::start(|hit, _| Reply::status(503, &format!("busy {hit}"))).await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        r#"
+[[route]]
+name = "release"
+path = "/release"
+[[route]]
+name = "store"
+path = "/store"
+on_server_error = "store"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    assert_eq!(client.post(&proxy.url("/release"), "a", "").await.text(), "busy 1");
+    assert_eq!(client.post(&proxy.url("/release"), "a", "").await.text(), "busy 2");
+    assert_eq!(client.post(&proxy.url("/store"), "b", "").await.text(), "busy 3");
+    let replay = client.post(&proxy.url("/store"), "b", "").await;
+    assert_eq!(replay.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(replay.replayed());
+    assert_eq!(replay.text(), "busy 3");
+    assert_eq!(upstream.hits(), 3);
+}
+
+#[tokio::test]
+async fn a_fail_once_backend_is_retried_then_replayed() {
+    let upstream = Upstream::start(|hit, _| {
+        if hit == 1 {
+            Reply::status(500, "oops")
+        } else {
+            Reply::created(hit)
+        }
+    })
+    .await;
+    let proxy = Proxy::start(&upstream.url(), &route("")).await;
+    let client = TestClient::default();
+    assert_eq!(client.post(&proxy.url("/v1/orders"), "k", "").await.status, 500);
+    assert_eq!(client.post(&proxy.url("/v1/orders"), "k", "").await.status, 201);
+    assert!(client.post(&proxy.url("/v1/orders"), "k", "").await.replayed());
+    assert_eq!(upstream.hits(), 2);
+}
+
+#[tokio::test]
+async fn a_slow_request_renews_its_lease_and_keeps_its_claim() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_secs(3))).await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        r#"
+[upstream]
+timeout = "10s"
+[[route]]
+name = "orders"
+path = "/v1/orders"
+lock_timeout = "1s"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    let url = proxy.url("/v1/orders");
+    let first = tokio::spawn({
+        let (client, url) = (client.clone(), url.clone());
+        async move { client.post(&url, "slow", "{}").await }
+    });
+    for _ in 0..2 {
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let retry = client.post(&url, "slow", "{}").await;
+        assert_eq!(
+            retry.status,
+            StatusCode::CONFLICT,
+            "the lease ran out under a live request"
+        );
+    }
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    assert!(client.post(&url, "slow", "{}").await.replayed());
+    assert_eq!(upstream.hits(), 1);
+}
+
+#[tokio::test]
+async fn a_client_that_hangs_up_mid_request_loses_no_record_and_leaves_no_claim() {
+    let upstream = Upstream::start(|hit, _| Reply::Answer {
+        delay: Duration::from_millis(300),
+        status: StatusCode::CREATED,
+        headers: vec![],
+        chunks: vec![Bytes::from(format!("order {hit};")), Bytes::from_static(b" done")],
+        gap: Duration::from_millis(300),
+    })
+    .await;
+    let proxy = Proxy::start(&upstream.url(), "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"").await;
+
+    // Hang up before the head, and hang up after the first chunk.
+    for (key, wait) in [("before-head", 100), ("mid-body", 450)] {
+        let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let request =
+            format!("POST /v1/orders HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\ncontent-length: 2\r\n\r\n{{}}");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut buf = [0u8; 256];
+        let _ = tokio::time::timeout(Duration::from_millis(wait), stream.read(&mut buf)).await;
+        drop(stream);
+    }
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let client = TestClient::default();
+    for (key, hit) in [("before-head", 1), ("mid-body", 2)] {
+        let retry = client
+            .send("POST", &proxy.url("/v1/orders"), &[("idempotency-key", key)], "{}")
+            .await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{key}: {}", retry.text());
+        assert!(retry.replayed(), "{key}");
+        assert_eq!(retry.text(), format!("order {hit}; done"));
+    }
+    assert_eq!(upstream.hits(), 2);
+}
+
+#[tokio::test]
+async fn a_response_over_max_response_body_is_delivered_but_not_replayable() {
+    let big = "z".repeat(3000);
+    let upstream = Upstream::start(move |_, _| Reply::status(201, &big)).await;
+    let proxy = Proxy::start(&upstream.url(), &route(r#"max_response_body = "2KiB""#)).await;
+    let client = TestClient::default();
+    let first = client.post(&proxy.url("/v1/orders"), "big", "").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.body.len(), 3000);
+    let retry = client.post(&proxy.url("/v1/orders"), "big", "").await;
+    assert_eq!(retry.problem(), "response-not-replayable");
+    assert_eq!(upstream.hits(), 1, "the backend is not called again");
+}
+
+#[tokio::test]
+async fn the_lease_of_a_crashed_proxy_runs_out_and_frees_the_key() {
+    let upstream = Upstream::created().await;
+    let store = StoreHandle::new(Arc::new(MemoryStore::new(1 << 20)), Duration::from_secs(1));
+    let proxy = Proxy::start_with_store(&upstream.url(), &route(""), store.clone()).await;
+    let client = TestClient::default();
+    // The fingerprint the proxy will compute is unknown here, so claim with
+    // a foreign fingerprint: the live claim answers 422, the expired one
+    // does not exist any more.
+    let scope_free_key = {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(b"idemgate-record-v1");
+        h.update([0u8, 2u8]);
+        h.update(7u64.to_be_bytes());
+        h.update(b"crashed");
+        RecordKey(h.finalize().into())
+    };
+    let claim = store
+        .claim(
+            &scope_free_key,
+            &Fingerprint([9; 32]),
+            Owner::new(),
+            Duration::from_millis(400),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(claim, Claim::Claimed);
+    let held = client.post(&proxy.url("/v1/orders"), "crashed", "{}").await;
+    assert_eq!(held.problem(), "key-reused", "the dead proxy's claim is still held");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let freed = client.post(&proxy.url("/v1/orders"), "crashed", "{}").await;
+    assert_eq!(freed.status, StatusCode::CREATED);
+    assert_eq!(upstream.hits(), 1);
+}

@@ -1,0 +1,244 @@
+//! Route matching, pass-through, proxy hygiene (SPEC §4) and shadow mode.
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::StatusCode;
+use support::{Proxy, Reply, TestClient, Upstream};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[tokio::test]
+async fn unmatched_requests_pass_through_unchanged_and_unbuffered() {
+    let upstream = Upstream::start(|hit, seen| Reply::status(200, &format!("{hit}:{}", seen.body.len()))).await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        r#"
+[server]
+max_request_body = "1KiB"
+[[route]]
+name = "orders"
+path = "/v1/orders"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    // A GET on the route's path, another path, a large body: all forwarded.
+    let get = client.send("GET", &proxy.url("/v1/orders?page=2"), &[], "").await;
+    assert_eq!(get.text(), "1:0");
+    let big = "b".repeat(256 * 1024);
+    let other = client.send("POST", &proxy.url("/v1/other"), &[], &big).await;
+    assert_eq!(other.text(), format!("2:{}", big.len()));
+    assert!(!other.replayed());
+    assert_eq!(upstream.seen()[0].uri, "/v1/orders?page=2");
+    let metrics = proxy.metrics.render(None);
+    assert!(
+        metrics.contains(r#"idemgate_requests_total{route="",outcome="passthrough"} 2"#),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn pass_through_responses_stream() {
+    let upstream = Upstream::start(|_, _| Reply::Answer {
+        delay: Duration::ZERO,
+        status: StatusCode::OK,
+        headers: vec![],
+        chunks: vec![Bytes::from_static(b"one,"), Bytes::from_static(b"two")],
+        gap: Duration::from_millis(800),
+    })
+    .await;
+    let proxy = Proxy::start(&upstream.url(), "").await;
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    stream
+        .write_all(b"GET /stream HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !String::from_utf8_lossy(&seen).contains("one,") {
+        let n = stream.read(&mut buf).await.unwrap();
+        assert!(n > 0);
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        started.elapsed() < Duration::from_millis(600),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn hop_by_hop_headers_are_dropped_and_forwarded_headers_set() {
+    let upstream = Upstream::start(|_, _| Reply::Answer {
+        delay: Duration::ZERO,
+        status: StatusCode::OK,
+        headers: vec![
+            ("connection", "x-upstream-secret".into()),
+            ("x-upstream-secret", "1".into()),
+            ("keep-alive", "timeout=5".into()),
+            ("x-kept", "yes".into()),
+        ],
+        chunks: vec![Bytes::from_static(b"ok")],
+        gap: Duration::ZERO,
+    })
+    .await;
+    let proxy = Proxy::start(&upstream.url(), "").await;
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    stream
+        .write_all(
+            b"GET /h HTTP/1.1\r\nhost: api.example.com\r\nconnection: keep-alive, x-client-secret\r\n\
+              x-client-secret: 1\r\nkeep-alive: timeout=5\r\nproxy-authorization: basic x\r\nte: trailers\r\n\
+              upgrade: websocket\r\nx-forwarded-for: 203.0.113.9\r\nx-kept: yes\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let mut response = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !response.ends_with(b"ok") {
+        let n = stream.read(&mut buf).await.unwrap();
+        assert!(n > 0);
+        response.extend_from_slice(&buf[..n]);
+    }
+    let response = String::from_utf8_lossy(&response).to_ascii_lowercase();
+    assert!(response.contains("x-kept: yes"));
+    assert!(!response.contains("x-upstream-secret"), "{response}");
+    assert!(!response.contains("keep-alive: timeout"), "{response}");
+
+    let seen = &upstream.seen()[0].headers;
+    for gone in ["x-client-secret", "keep-alive", "proxy-authorization", "te", "upgrade"] {
+        assert!(seen.get(gone).is_none(), "{gone} was forwarded");
+    }
+    assert_eq!(seen.get("x-kept").unwrap(), "yes");
+    assert_eq!(seen.get("x-forwarded-for").unwrap(), "203.0.113.9, 127.0.0.1");
+    assert_eq!(seen.get("x-forwarded-proto").unwrap(), "http");
+    assert_eq!(seen.get("x-forwarded-host").unwrap(), "api.example.com");
+    assert_eq!(seen.get("host").unwrap().to_str().unwrap(), upstream.addr.to_string());
+}
+
+#[tokio::test]
+async fn routes_match_by_host_params_rest_and_method_first_match_wins() {
+    let upstream = Upstream::created().await;
+    let other = Upstream::created().await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        &format!(
+            r#"
+[[route]]
+name = "tenant-host"
+path = "/v1/orders"
+host = "tenant.example.com"
+upstream = "{}"
+[[route]]
+name = "orders"
+path = "/v1/orders"
+[[route]]
+name = "lines"
+path = "/v1/orders/{{id}}/lines"
+methods = ["PUT"]
+[[route]]
+name = "files"
+path = "/files/{{*rest}}"
+"#,
+            other.url()
+        ),
+    )
+    .await;
+    let client = TestClient::default();
+    // Records are kept under (scope, key), whatever the route: one key each.
+    let post = |path: &str, host: &str, method: &str| {
+        let (client, url, host, method) = (client.clone(), proxy.url(path), host.to_string(), method.to_string());
+        let key = format!("{host}{path}");
+        async move {
+            client
+                .send(
+                    &method,
+                    &url,
+                    &[("host", host.as_str()), ("idempotency-key", key.as_str())],
+                    "",
+                )
+                .await
+        }
+    };
+    post("/v1/orders", "tenant.example.com:8080", "POST").await;
+    assert_eq!(other.hits(), 1, "host matched, port ignored; the route's own upstream");
+    post("/v1/orders", "else.example.com", "POST").await;
+    assert_eq!(upstream.hits(), 1);
+    let lines = post("/v1/orders/42/lines", "x", "PUT").await;
+    assert_eq!(lines.status, StatusCode::CREATED);
+    assert!(post("/v1/orders/42/lines", "x", "PUT").await.replayed());
+    let deep = post("/files/a/b/c", "x", "POST").await;
+    assert!(!deep.replayed());
+    assert!(post("/files/a/b/c", "x", "POST").await.replayed());
+    let metrics = proxy.metrics.render(None);
+    for route in ["tenant-host", "orders", "lines", "files"] {
+        assert!(
+            metrics.contains(&format!(r#"{{route="{route}",outcome="forwarded"}} 1"#)),
+            "{route}: {metrics}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn shadow_mode_forwards_everything_and_counts_what_enforce_would_do() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        r#"
+[defaults]
+mode = "shadow"
+[[route]]
+name = "orders"
+path = "/v1/orders"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    let url = proxy.url("/v1/orders");
+    assert_eq!(client.post(&url, "k", "a").await.status, StatusCode::CREATED);
+    let again = client.post(&url, "k", "a").await;
+    assert!(!again.replayed(), "shadow mode never replays");
+    client.post(&url, "k", "b").await;
+    client.send("POST", &url, &[], "no key").await;
+    client.send("POST", &url, &[("idempotency-key", "")], "bad key").await;
+    assert_eq!(upstream.hits(), 5);
+    let metrics = proxy.metrics.render(None);
+    for outcome in [
+        "forwarded",
+        "shadow_replayed",
+        "shadow_mismatch",
+        "shadow_key_missing",
+        "shadow_key_invalid",
+    ] {
+        assert!(
+            metrics.contains(&format!(r#"{{route="orders",outcome="{outcome}"}} 1"#)),
+            "{outcome}: {metrics}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn the_admin_listener_answers_health_readiness_and_metrics() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(&upstream.url(), "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"").await;
+    let client = TestClient::default();
+    client.post(&proxy.url("/v1/orders"), "k", "").await;
+    client.post(&proxy.url("/v1/orders"), "k", "").await;
+    let admin = proxy.admin.unwrap();
+    let health = client.send("GET", &format!("http://{admin}/healthz"), &[], "").await;
+    assert_eq!(health.status, StatusCode::OK);
+    let ready = client.send("GET", &format!("http://{admin}/readyz"), &[], "").await;
+    assert_eq!(ready.status, StatusCode::OK);
+    let metrics = client.send("GET", &format!("http://{admin}/metrics"), &[], "").await;
+    assert!(metrics.header("content-type").unwrap().starts_with("text/plain"));
+    let text = metrics.text();
+    assert!(
+        text.contains(r#"idemgate_requests_total{route="orders",outcome="replayed"} 1"#),
+        "{text}"
+    );
+    assert!(text.contains("idemgate_store_duration_seconds_count"));
+    assert!(text.contains("idemgate_upstream_duration_seconds_bucket"));
+    assert!(!text.contains("\"k\""), "keys never appear in metrics");
+}
