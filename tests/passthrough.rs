@@ -242,3 +242,17 @@ async fn the_admin_listener_answers_health_readiness_and_metrics() {
     assert!(text.contains("idemgate_upstream_duration_seconds_bucket"));
     assert!(!text.contains("\"k\""), "keys never appear in metrics");
 }
+
+#[tokio::test]
+async fn a_client_that_never_finishes_its_head_is_cut_off() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(&upstream.url(), "[server]\nheader_read_timeout = \"300ms\"\n").await;
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    stream.write_all(b"POST /slow HTTP/1.1\r\nhost: x\r\n").await.unwrap();
+    let started = tokio::time::Instant::now();
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "the connection was left open");
+    assert!(started.elapsed() >= Duration::from_millis(250));
+    assert_eq!(upstream.hits(), 0);
+}

@@ -67,8 +67,19 @@ impl MemoryStore {
     }
 
     fn shard(&self, key: &RecordKey) -> MutexGuard<'_, Shard> {
-        lock(&self.shared.shards[key.0[0] as usize % SHARDS])
+        lock(&self.shared.shards[shard_of(key)])
     }
+}
+
+/// Record keys are SHA-256 digests, but fold and mix all of it anyway, so
+/// shards stay even for any key.
+fn shard_of(key: &RecordKey) -> usize {
+    let folded = key
+        .0
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+        .fold(0, |a, w| a ^ w);
+    (folded.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SHARDS.trailing_zeros())) as usize
 }
 
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
@@ -321,13 +332,15 @@ mod tests {
         let fp = Fingerprint([0; 32]);
         let lease = Duration::from_secs(30);
         let ttl = Duration::from_secs(3600);
-        // All keys in shard 0.
-        let key = |i: u8| {
+        // Eleven keys of one shard.
+        let mut same_shard = (0..u32::MAX).map(|i| {
             let mut k = [0u8; 32];
-            k[1] = i;
+            k[..4].copy_from_slice(&i.to_be_bytes());
             RecordKey(k)
-        };
-        let in_flight = key(200);
+        });
+        let keys: Vec<RecordKey> = same_shard.by_ref().filter(|k| shard_of(k) == 0).take(11).collect();
+        let key = |i: u8| keys[(i as usize).min(10)];
+        let in_flight = key(10);
         assert_eq!(
             store.claim(&in_flight, &fp, Owner(1), lease, None).await.unwrap(),
             Claim::Claimed

@@ -1,0 +1,301 @@
+//! The store contract: one suite, written once, run against every backend.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, StatusCode};
+use idemgate::store::{Claim, Fingerprint, MemoryStore, Outcome, Owner, RecordKey, Store, StoredResponse};
+use tokio::time::Instant;
+
+const LONG: Duration = Duration::from_secs(30);
+const A: Fingerprint = Fingerprint([0xaa; 32]);
+const B: Fingerprint = Fingerprint([0xbb; 32]);
+
+/// A fresh key per call, so tests sharing a backend never collide.
+fn key() -> RecordKey {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let mut k = [0u8; 32];
+    k[..8].copy_from_slice(&n.to_be_bytes());
+    k[8..16].copy_from_slice(&(std::process::id() as u64).to_be_bytes());
+    k[16..24].copy_from_slice(&Instant::now().elapsed().as_nanos().to_be_bytes()[8..]);
+    RecordKey(k)
+}
+
+fn response(body: &'static str) -> Outcome {
+    Outcome::Response(Arc::new(StoredResponse {
+        status: StatusCode::CREATED,
+        headers: vec![
+            (
+                HeaderName::from_static("content-type"),
+                HeaderValue::from_static("application/json"),
+            ),
+            (HeaderName::from_static("x-multi"), HeaderValue::from_static("1")),
+            (HeaderName::from_static("x-multi"), HeaderValue::from_static("2")),
+        ],
+        body: Bytes::from_static(body.as_bytes()),
+    }))
+}
+
+pub async fn claim_race_has_one_winner(store: Arc<dyn Store>) {
+    let k = key();
+    let tasks: Vec<_> = (0..50)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap() })
+        })
+        .collect();
+    let mut winners = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            Claim::Claimed => winners += 1,
+            Claim::InFlight {
+                fingerprint,
+                lease_left,
+            } => {
+                assert_eq!(fingerprint, A);
+                assert!(lease_left <= LONG && lease_left > LONG / 2, "{lease_left:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(winners, 1);
+}
+
+pub async fn completion_is_replayed_with_its_fingerprint(store: Arc<dyn Store>) {
+    let k = key();
+    let owner = Owner::new();
+    assert_eq!(store.claim(&k, &A, owner, LONG, None).await.unwrap(), Claim::Claimed);
+    assert!(store.complete(&k, owner, response("{\"id\":1}"), LONG).await.unwrap());
+    for fingerprint in [A, B] {
+        let claim = store.claim(&k, &fingerprint, Owner::new(), LONG, None).await.unwrap();
+        assert_eq!(
+            claim,
+            Claim::Completed {
+                fingerprint: A,
+                outcome: response("{\"id\":1}")
+            }
+        );
+    }
+}
+
+pub async fn outcomes_without_a_body_round_trip(store: Arc<dyn Store>) {
+    for outcome in [Outcome::NotReplayable, Outcome::Unknown] {
+        let k = key();
+        let owner = Owner::new();
+        store.claim(&k, &A, owner, LONG, None).await.unwrap();
+        assert!(store.complete(&k, owner, outcome.clone(), LONG).await.unwrap());
+        assert_eq!(
+            store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap(),
+            Claim::Completed {
+                fingerprint: A,
+                outcome
+            }
+        );
+    }
+}
+
+pub async fn a_mismatch_is_reported_with_the_first_fingerprint(store: Arc<dyn Store>) {
+    let k = key();
+    store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap();
+    match store.claim(&k, &B, Owner::new(), LONG, None).await.unwrap() {
+        Claim::InFlight { fingerprint, .. } => assert_eq!(fingerprint, A),
+        other => panic!("{other:?}"),
+    }
+}
+
+pub async fn records_expire_after_their_ttl(store: Arc<dyn Store>) {
+    let k = key();
+    let owner = Owner::new();
+    store.claim(&k, &A, owner, LONG, None).await.unwrap();
+    store
+        .complete(&k, owner, response("x"), Duration::from_millis(300))
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap(),
+        Claim::Completed { .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    assert_eq!(
+        store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap(),
+        Claim::Claimed
+    );
+}
+
+pub async fn refresh_on_replay_restarts_the_ttl(store: Arc<dyn Store>) {
+    let k = key();
+    let owner = Owner::new();
+    let ttl = Duration::from_millis(500);
+    store.claim(&k, &A, owner, LONG, None).await.unwrap();
+    store.complete(&k, owner, response("x"), ttl).await.unwrap();
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let claim = store.claim(&k, &A, Owner::new(), LONG, Some(ttl)).await.unwrap();
+        assert!(matches!(claim, Claim::Completed { .. }), "{claim:?}");
+    }
+    // A different fingerprint does not refresh.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    store.claim(&k, &B, Owner::new(), LONG, Some(ttl)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    assert_eq!(
+        store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap(),
+        Claim::Claimed
+    );
+}
+
+pub async fn release_frees_the_key_for_its_owner_only(store: Arc<dyn Store>) {
+    let k = key();
+    let owner = Owner::new();
+    store.claim(&k, &A, owner, LONG, None).await.unwrap();
+    assert!(
+        !store.release(&k, Owner::new()).await.unwrap(),
+        "a stranger cannot release"
+    );
+    assert!(matches!(
+        store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap(),
+        Claim::InFlight { .. }
+    ));
+    assert!(store.release(&k, owner).await.unwrap());
+    assert_eq!(
+        store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap(),
+        Claim::Claimed
+    );
+}
+
+pub async fn an_owner_whose_lease_ran_out_cannot_touch_its_successor(store: Arc<dyn Store>) {
+    let k = key();
+    let (old, new) = (Owner::new(), Owner::new());
+    store
+        .claim(&k, &A, old, Duration::from_millis(200), None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    assert_eq!(store.claim(&k, &B, new, LONG, None).await.unwrap(), Claim::Claimed);
+    assert!(!store.renew(&k, old, LONG).await.unwrap());
+    assert!(!store.complete(&k, old, response("stale"), LONG).await.unwrap());
+    assert!(!store.release(&k, old).await.unwrap());
+    assert!(store.complete(&k, new, response("fresh"), LONG).await.unwrap());
+    assert_eq!(
+        store.claim(&k, &B, Owner::new(), LONG, None).await.unwrap(),
+        Claim::Completed {
+            fingerprint: B,
+            outcome: response("fresh")
+        }
+    );
+}
+
+pub async fn renewal_keeps_a_claim_past_its_first_lease(store: Arc<dyn Store>) {
+    let k = key();
+    let owner = Owner::new();
+    let lease = Duration::from_millis(300);
+    store.claim(&k, &A, owner, lease, None).await.unwrap();
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(store.renew(&k, owner, lease).await.unwrap());
+    }
+    assert!(matches!(
+        store.claim(&k, &A, Owner::new(), lease, None).await.unwrap(),
+        Claim::InFlight { .. }
+    ));
+    assert!(store.complete(&k, owner, response("x"), LONG).await.unwrap());
+    assert!(
+        !store.renew(&k, owner, lease).await.unwrap(),
+        "a completed record has no lease"
+    );
+}
+
+pub async fn waiters_wake_on_completion_and_release(store: Arc<dyn Store>) {
+    for complete in [true, false] {
+        let k = key();
+        let owner = Owner::new();
+        store.claim(&k, &A, owner, LONG, None).await.unwrap();
+        let waiter = tokio::spawn({
+            let store = store.clone();
+            async move {
+                let started = Instant::now();
+                store.wait(&k, Duration::from_secs(10)).await.unwrap();
+                started.elapsed()
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if complete {
+            store.complete(&k, owner, response("x"), LONG).await.unwrap();
+        } else {
+            store.release(&k, owner).await.unwrap();
+        }
+        let waited = waiter.await.unwrap();
+        assert!(waited < Duration::from_secs(3), "woken late: {waited:?}");
+        assert!(waited >= Duration::from_millis(150), "woken early: {waited:?}");
+    }
+}
+
+pub async fn waiting_is_bounded_and_immediate_when_nothing_is_in_flight(store: Arc<dyn Store>) {
+    let started = Instant::now();
+    store.wait(&key(), Duration::from_secs(10)).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(1));
+    let k = key();
+    store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap();
+    let started = Instant::now();
+    store.wait(&k, Duration::from_millis(300)).await.unwrap();
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(250) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
+}
+
+macro_rules! contract {
+    ($backend:ident, $make:expr) => {
+        mod $backend {
+            use super::*;
+
+            macro_rules! case {
+                ($name:ident) => {
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        let (store, _keep) = $make;
+                        super::$name(store).await;
+                    }
+                };
+            }
+
+            case!(claim_race_has_one_winner);
+            case!(completion_is_replayed_with_its_fingerprint);
+            case!(outcomes_without_a_body_round_trip);
+            case!(a_mismatch_is_reported_with_the_first_fingerprint);
+            case!(records_expire_after_their_ttl);
+            case!(refresh_on_replay_restarts_the_ttl);
+            case!(release_frees_the_key_for_its_owner_only);
+            case!(an_owner_whose_lease_ran_out_cannot_touch_its_successor);
+            case!(renewal_keeps_a_claim_past_its_first_lease);
+            case!(waiters_wake_on_completion_and_release);
+            case!(waiting_is_bounded_and_immediate_when_nothing_is_in_flight);
+        }
+    };
+}
+
+contract!(memory, (Arc::new(MemoryStore::new(1 << 20)) as Arc<dyn Store>, ()));
+
+#[tokio::test]
+async fn memory_sweeps_expired_records_and_holds_its_budget() {
+    let store = MemoryStore::new(200_000);
+    for _ in 0..1000 {
+        let k = key();
+        let owner = Owner::new();
+        store.claim(&k, &A, owner, LONG, None).await.unwrap();
+        let body: &'static str = Box::leak("x".repeat(1000).into_boxed_str());
+        store
+            .complete(&k, owner, response(body), Duration::from_millis(300))
+            .await
+            .unwrap();
+        assert!(store.stored_bytes() <= 200_000);
+    }
+    assert!(store.stored_bytes() > 100_000);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(store.stored_bytes(), 0, "the sweeper removed expired records");
+}
