@@ -5,7 +5,11 @@
 //! which puts a deadline on every call so a store that hangs is an error, not
 //! a hung request.
 
+pub mod codec;
+mod embedded;
 mod memory;
+mod redis;
+mod waiters;
 
 use std::fmt;
 use std::hash::{BuildHasher, RandomState};
@@ -17,7 +21,9 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
+pub use embedded::EmbeddedStore;
 pub use memory::MemoryStore;
+pub use redis::RedisStore;
 
 use crate::config::{StoreBackend, StoreConfig};
 
@@ -177,8 +183,16 @@ impl StoreHandle {
     pub fn open(config: &StoreConfig) -> Result<StoreHandle, OpenError> {
         let store: Arc<dyn Store> = match &config.backend {
             StoreBackend::Memory { max_memory } => Arc::new(MemoryStore::new(*max_memory)),
-            StoreBackend::Embedded { .. } => return Err(OpenError::NotBuilt("embedded")),
-            StoreBackend::Redis { .. } | StoreBackend::RedisCluster { .. } => return Err(OpenError::NotBuilt("redis")),
+            StoreBackend::Embedded { path } => {
+                Arc::new(EmbeddedStore::open(path).map_err(|source| OpenError::Embedded {
+                    path: path.display().to_string(),
+                    source,
+                })?)
+            }
+            StoreBackend::Redis { url } => Arc::new(RedisStore::single(url, config.timeout).map_err(OpenError::Redis)?),
+            StoreBackend::RedisCluster { urls } => {
+                Arc::new(RedisStore::cluster(urls, config.timeout).map_err(OpenError::Redis)?)
+            }
         };
         Ok(StoreHandle::new(store, config.timeout))
     }
@@ -236,6 +250,12 @@ impl StoreHandle {
 
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    #[error("the {0} store is not available in this build yet; use store.backend = \"memory\"")]
-    NotBuilt(&'static str),
+    #[error("cannot open the embedded store file {path}")]
+    Embedded {
+        path: String,
+        #[source]
+        source: StoreError,
+    },
+    #[error("cannot set up the Redis store")]
+    Redis(#[source] StoreError),
 }

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod redis;
+
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

@@ -1,0 +1,344 @@
+//! The Redis store: one Redis server or a Redis Cluster, shared by any
+//! number of idemgate replicas.
+//!
+//! One Redis key per record, `idemgate:{<sha-256 hex>}`, hash-tagged so a
+//! record and everything the scripts touch live in one slot. The value is
+//! the [`codec`] record; Redis's own `PX` expiry is the lease or the TTL.
+//!
+//! Every operation is one round trip: a Lua script (`EVALSHA`, cached by
+//! SHA) that claims (`GET`, then `SET ... PX` when absent, `PEXPIRE` when a
+//! replay refreshes), or checks the owner token before it completes,
+//! releases or renews. Completion and release `PUBLISH` the record key on
+//! one channel; each process keeps one subscription to it and wakes its
+//! local waiters, re-checking the record at least every second in case a
+//! message was lost.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{RedisError, Script, ScriptInvocation};
+use tokio::sync::OnceCell;
+
+use super::codec::{self, Decoded};
+use super::waiters::Waiters;
+use super::{Claim, Fingerprint, Outcome, Owner, RecordKey, Store, StoreError};
+
+/// Completions and releases are announced here, payload the record's key.
+const CHANNEL: &str = "idemgate:done";
+/// A waiter re-checks its record at least this often.
+const RECHECK: Duration = Duration::from_secs(1);
+
+const CLAIM: &str = r"
+local v = redis.call('GET', KEYS[1])
+if not v then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return false
+end
+if ARGV[3] ~= '0' and string.byte(v, 2) ~= 0 and string.sub(v, 3, 34) == string.sub(ARGV[1], 3, 34) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+return {v, redis.call('PTTL', KEYS[1])}
+";
+
+const OWNED: &str = r"
+local v = redis.call('GET', KEYS[1])
+if not v or string.byte(v, 2) ~= 0 or string.sub(v, 35, 50) ~= ARGV[1] then return nil end
+";
+
+const COMPLETE: &str = r"
+redis.call('SET', KEYS[1], string.sub(ARGV[2], 1, 2) .. string.sub(v, 3, 34) .. string.sub(ARGV[2], 35), 'PX', ARGV[3])
+redis.call('PUBLISH', ARGV[4], KEYS[1])
+return 1
+";
+
+const RELEASE: &str = r"
+redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[2], KEYS[1])
+return 1
+";
+
+const RENEW: &str = r"
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+";
+
+const PEEK: &str = r"
+local v = redis.call('GET', KEYS[1])
+if not v then return false end
+return {v, redis.call('PTTL', KEYS[1])}
+";
+
+struct Scripts {
+    claim: Script,
+    complete: Script,
+    release: Script,
+    renew: Script,
+    peek: Script,
+}
+
+impl Scripts {
+    fn new() -> Scripts {
+        Scripts {
+            claim: Script::new(CLAIM),
+            complete: Script::new(&format!("{OWNED}{COMPLETE}")),
+            release: Script::new(&format!("{OWNED}{RELEASE}")),
+            renew: Script::new(&format!("{OWNED}{RENEW}")),
+            peek: Script::new(PEEK),
+        }
+    }
+}
+
+enum Connection {
+    Single(ConnectionManager),
+    /// Connected on first use, so idemgate starts while the cluster is down.
+    Cluster(Box<LazyCluster>),
+}
+
+struct LazyCluster {
+    client: redis::cluster::ClusterClient,
+    connection: OnceCell<ClusterConnection>,
+}
+
+pub struct RedisStore {
+    connection: Connection,
+    scripts: Scripts,
+    waiters: Arc<Waiters>,
+    /// Whether the completion subscription is live.
+    listening: Arc<AtomicBool>,
+    _subscriber: AbortOnDrop,
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn unavailable(e: RedisError) -> StoreError {
+    StoreError::Unavailable(Box::new(e))
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+/// The Redis key of a record.
+fn redis_key(key: &RecordKey) -> String {
+    format!("idemgate:{{{}}}", hex::encode(key.0))
+}
+
+fn record_key_of(redis_key: &[u8]) -> Option<RecordKey> {
+    let hex = redis_key.strip_prefix(b"idemgate:{")?.strip_suffix(b"}")?;
+    let mut key = [0u8; 32];
+    hex::decode_to_slice(hex, &mut key).ok()?;
+    Some(RecordKey(key))
+}
+
+impl RedisStore {
+    /// One Redis server at `url`. Connects lazily and reconnects by itself.
+    pub fn single(url: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
+        let client = redis::Client::open(url).map_err(unavailable)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_millis(500));
+        let manager = client.get_connection_manager_lazy(config).map_err(unavailable)?;
+        Ok(RedisStore::new(Connection::Single(manager), vec![client]))
+    }
+
+    /// A Redis Cluster, found through any of `urls`.
+    pub fn cluster(urls: &[String], timeout: Duration) -> Result<RedisStore, StoreError> {
+        let client = redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
+            .connection_timeout(timeout)
+            .response_timeout(timeout)
+            .retries(2)
+            .build()
+            .map_err(unavailable)?;
+        // PUBLISH reaches every node of a cluster: subscribe to any of them.
+        let nodes = urls
+            .iter()
+            .map(|u| redis::Client::open(u.as_str()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(unavailable)?;
+        let connection = Connection::Cluster(Box::new(LazyCluster {
+            client,
+            connection: OnceCell::new(),
+        }));
+        Ok(RedisStore::new(connection, nodes))
+    }
+
+    fn new(connection: Connection, subscribe_to: Vec<redis::Client>) -> RedisStore {
+        let waiters = Arc::new(Waiters::default());
+        let listening = Arc::new(AtomicBool::new(false));
+        let subscriber = tokio::spawn(listen(subscribe_to, waiters.clone(), listening.clone()));
+        RedisStore {
+            connection,
+            scripts: Scripts::new(),
+            waiters,
+            listening,
+            _subscriber: AbortOnDrop(subscriber),
+        }
+    }
+
+    async fn invoke<T: redis::FromRedisValue>(&self, invocation: &ScriptInvocation<'_>) -> Result<T, StoreError> {
+        match &self.connection {
+            Connection::Single(manager) => invocation.invoke_async(&mut manager.clone()).await,
+            Connection::Cluster(cluster) => {
+                let connection = cluster
+                    .connection
+                    .get_or_try_init(|| cluster.client.get_async_connection())
+                    .await
+                    .map_err(unavailable)?;
+                invocation.invoke_async(&mut connection.clone()).await
+            }
+        }
+        .map_err(unavailable)
+    }
+
+    async fn owned(&self, script: &Script, key: &RecordKey, owner: Owner, args: &[&[u8]]) -> Result<bool, StoreError> {
+        let mut invocation = script.key(redis_key(key));
+        invocation.arg(&codec::owner_bytes(owner)[..]);
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        let done: Option<i64> = self.invoke(&invocation).await?;
+        Ok(done == Some(1))
+    }
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: Owner,
+        lease: Duration,
+        refresh_ttl: Option<Duration>,
+    ) -> Result<Claim, StoreError> {
+        let mut invocation = self.scripts.claim.key(redis_key(key));
+        invocation
+            .arg(codec::in_flight(fingerprint, owner))
+            .arg(ms(lease))
+            .arg(refresh_ttl.map_or(0, ms));
+        let found: Option<(Vec<u8>, i64)> = self.invoke(&invocation).await?;
+        let Some((record, pttl)) = found else {
+            return Ok(Claim::Claimed);
+        };
+        Ok(match codec::decode(Bytes::from(record))? {
+            Decoded::InFlight { fingerprint, .. } => Claim::InFlight {
+                fingerprint,
+                lease_left: Duration::from_millis(pttl.max(0) as u64),
+            },
+            Decoded::Completed { fingerprint, outcome } => Claim::Completed { fingerprint, outcome },
+        })
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: Owner,
+        outcome: Outcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        // The script puts the claim's own fingerprint into the record.
+        let record = codec::completed(&Fingerprint([0; 32]), &outcome);
+        let ttl = ms(ttl).to_string();
+        self.owned(
+            &self.scripts.complete,
+            key,
+            owner,
+            &[&record, ttl.as_bytes(), CHANNEL.as_bytes()],
+        )
+        .await
+    }
+
+    async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
+        self.owned(&self.scripts.release, key, owner, &[CHANNEL.as_bytes()])
+            .await
+    }
+
+    async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {
+        let lease = ms(lease).to_string();
+        self.owned(&self.scripts.renew, key, owner, &[lease.as_bytes()]).await
+    }
+
+    async fn wait(&self, key: &RecordKey, timeout: Duration) -> Result<(), StoreError> {
+        let registration = self.waiters.register(*key);
+        let notified = registration.notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let found: Option<(Vec<u8>, i64)> = self.invoke(&self.scripts.peek.key(redis_key(key))).await?;
+        let Some((record, pttl)) = found else {
+            return Ok(());
+        };
+        if record.get(1) != Some(&codec::IN_FLIGHT) {
+            return Ok(());
+        }
+        // Without a live subscription, re-check sooner; never spin.
+        let recheck = if self.listening.load(Ordering::Relaxed) {
+            RECHECK
+        } else {
+            RECHECK / 2
+        };
+        let until = timeout.min(recheck).min(Duration::from_millis(pttl.max(1) as u64));
+        let _ = tokio::time::timeout(until, notified).await;
+        Ok(())
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let invocation = self.scripts.peek.key("idemgate:{ping}");
+        let _: Option<(Vec<u8>, i64)> = self.invoke(&invocation).await?;
+        Ok(())
+    }
+}
+
+/// Keeps one subscription to [`CHANNEL`] alive, trying each node in turn,
+/// and wakes the local waiters of every key announced on it.
+async fn listen(nodes: Vec<redis::Client>, waiters: Arc<Waiters>, listening: Arc<AtomicBool>) {
+    let mut next = 0;
+    loop {
+        let node = &nodes[next % nodes.len()];
+        next += 1;
+        if let Ok(mut pubsub) = node.get_async_pubsub().await
+            && pubsub.subscribe(CHANNEL).await.is_ok()
+        {
+            listening.store(true, Ordering::Relaxed);
+            // Whatever completed while nobody listened: re-check now.
+            waiters.wake_all();
+            let mut messages = pubsub.on_message();
+            while let Some(message) = messages.next().await {
+                if let Some(key) = record_key_of(message.get_payload_bytes()) {
+                    waiters.wake(&key);
+                }
+            }
+            listening.store(false, Ordering::Relaxed);
+            tracing::warn!("lost the Redis completion subscription; reconnecting");
+        }
+        waiters.wake_all();
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redis_keys_are_hash_tagged_and_reversible() {
+        let key = RecordKey([0xab; 32]);
+        let name = redis_key(&key);
+        assert!(name.starts_with("idemgate:{abab") && name.ends_with("ab}"));
+        assert_eq!(record_key_of(name.as_bytes()), Some(key));
+        assert_eq!(record_key_of(b"idemgate:{zz}"), None);
+    }
+}

@@ -1,0 +1,164 @@
+//! Real `redis-server` processes on loopback ports of their own: a
+//! standalone server and a three-master cluster. Killed on drop.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A free loopback port (and, for a cluster node, its bus port + 10000).
+fn free_port(with_bus: bool) -> u16 {
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if !with_bus {
+            return port;
+        }
+        if port < 55000 && TcpListener::bind(("127.0.0.1", port + 10000)).is_ok() {
+            return port;
+        }
+    }
+}
+
+fn cli(port: u16, args: &[&str]) -> Option<String> {
+    let output = Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+fn wait_until(what: &str, mut ready: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ready() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// One `redis-server` process.
+pub struct RedisServer {
+    pub port: u16,
+    child: Option<Child>,
+    dir: PathBuf,
+    extra: Vec<String>,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        RedisServer::start_with(free_port(false), &[])
+    }
+
+    fn start_with(port: u16, extra: &[&str]) -> RedisServer {
+        let dir = std::env::temp_dir().join(format!("idemgate-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut server = RedisServer {
+            port,
+            child: None,
+            dir,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        server.restart();
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// Starts the process again (after [`RedisServer::kill`]) on the same port.
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none());
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed (apt-get install redis-server)");
+        self.child = Some(child);
+        let port = self.port;
+        wait_until("redis-server to answer", || {
+            cli(port, &["ping"]).is_some_and(|o| o.contains("PONG"))
+        });
+    }
+
+    /// SIGKILLs the process.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub fn cli(&self, args: &[&str]) -> Option<String> {
+        cli(self.port, args)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Three masters, no replicas, all slots covered.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                let port = free_port(true);
+                RedisServer::start_with(
+                    port,
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        &format!("nodes-{port}.conf"),
+                        "--cluster-node-timeout",
+                        "2000",
+                    ],
+                )
+            })
+            .collect();
+        let addresses: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let output = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addresses)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&output.stdout)
+        );
+        for node in &nodes {
+            wait_until("the cluster to be ok", || {
+                node.cli(&["cluster", "info"])
+                    .is_some_and(|i| i.contains("cluster_state:ok"))
+            });
+        }
+        RedisCluster { nodes }
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("redis://127.0.0.1:{}", n.port))
+            .collect()
+    }
+}
