@@ -389,3 +389,60 @@ impl TestClient {
         .await
     }
 }
+
+/// The real `idemgate` binary as a child process, for crash tests.
+pub struct Binary {
+    pub addr: SocketAddr,
+    child: std::process::Child,
+    _config: tempfile::NamedTempFile,
+}
+
+impl Binary {
+    /// Runs `idemgate --config` with `toml` (listen port filled in) in front of `upstream`.
+    pub async fn start(upstream: &str, toml: &str) -> Binary {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let text = with_basics(upstream, toml)
+            .replace("admin_listen = \"127.0.0.1:0\"", "admin_listen = \"\"")
+            .replace("listen = \"127.0.0.1:0\"", &format!("listen = \"127.0.0.1:{port}\""));
+        let mut config = tempfile::NamedTempFile::new().unwrap();
+        std::io::Write::write_all(&mut config, text.as_bytes()).unwrap();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .arg("--config")
+            .arg(config.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(addr).await.is_err() {
+            assert!(tokio::time::Instant::now() < deadline, "idemgate did not start");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Binary {
+            addr,
+            child,
+            _config: config,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// SIGKILL: no cleanup of any kind.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}

@@ -1,0 +1,256 @@
+//! End to end on the durable and shared stores: restarts, crashes, many
+//! replicas, and a store that goes away.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::StatusCode;
+use idemgate::store::{RedisStore, StoreHandle};
+use support::redis::{RedisCluster, RedisServer};
+use support::{Binary, Proxy, Reply, TestClient, Upstream};
+use tokio::time::Instant;
+
+const ROUTE: &str = r#"
+[[route]]
+name = "orders"
+path = "/v1/orders"
+"#;
+
+fn redis_store(url: &str) -> StoreHandle {
+    StoreHandle::new(
+        Arc::new(RedisStore::single(url, Duration::from_secs(1)).unwrap()),
+        Duration::from_secs(1),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_store_survives_kill_9_with_every_answer_and_claim() {
+    let upstream = Upstream::start(|hit, seen| {
+        if seen.uri.contains("slow") {
+            Reply::created(hit).delayed(Duration::from_secs(30))
+        } else {
+            Reply::created(hit)
+        }
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!(
+        r#"
+[store]
+backend = "embedded"
+path = "{}"
+[[route]]
+name = "orders"
+path = "/v1/orders"
+lock_timeout = "2s"
+"#,
+        dir.path().join("idemgate.redb").display()
+    );
+    let client = TestClient::default();
+    let mut first = Binary::start(&upstream.url(), &config).await;
+    let mut answers = Vec::new();
+    for i in 0..20 {
+        let answer = client.post(&first.url("/v1/orders"), &format!("k{i}"), "{}").await;
+        assert_eq!(answer.status, StatusCode::CREATED);
+        answers.push(answer.body);
+    }
+    // A request in flight when the process dies.
+    let in_flight = tokio::spawn({
+        let url = first.url("/v1/orders?slow");
+        async move {
+            let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+                hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+            let request = http::Request::post(url)
+                .header("idempotency-key", "slow")
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .unwrap();
+            client.request(request).await.map(|r| r.status())
+        }
+    });
+    while upstream.hits() < 21 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    first.kill9();
+    assert!(in_flight.await.unwrap().is_err(), "the client saw the crash");
+
+    let second = Binary::start(&upstream.url(), &config).await;
+    for (i, body) in answers.iter().enumerate() {
+        let replay = client.post(&second.url("/v1/orders"), &format!("k{i}"), "{}").await;
+        assert!(replay.replayed(), "k{i} was lost");
+        assert_eq!(&replay.body, body);
+    }
+    // The dead process's claim survived the restart until its lease ran out.
+    let retry = |client: TestClient, url: String| async move {
+        client.send("POST", &url, &[("idempotency-key", "slow")], "").await
+    };
+    let held = retry(client.clone(), second.url("/v1/orders?slow")).await;
+    assert_eq!(held.status, StatusCode::CONFLICT, "{}", held.text());
+    assert_eq!(upstream.hits(), 21);
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    tokio::spawn(retry(client.clone(), second.url("/v1/orders?slow")));
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while upstream.hits() < 22 {
+        assert!(Instant::now() < deadline, "the key was never freed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_on_one_redis_let_one_of_forty_through() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(300))).await;
+    let a = Proxy::start_with_store(&upstream.url(), ROUTE, redis_store(&redis.url())).await;
+    let b = Proxy::start_with_store(&upstream.url(), ROUTE, redis_store(&redis.url())).await;
+    let client = TestClient::default();
+    let storm: Vec<_> = (0..40)
+        .map(|i| {
+            let url = if i % 2 == 0 {
+                a.url("/v1/orders")
+            } else {
+                b.url("/v1/orders")
+            };
+            let client = client.clone();
+            tokio::spawn(async move { client.post(&url, "shared", r#"{"n":1}"#).await })
+        })
+        .collect();
+    let mut created = 0;
+    for answer in storm {
+        let answer = answer.await.unwrap();
+        match answer.status {
+            StatusCode::CREATED => created += 1,
+            StatusCode::CONFLICT => assert_eq!(answer.problem(), "request-in-flight"),
+            other => panic!("{other}: {}", answer.text()),
+        }
+    }
+    assert!(created >= 1);
+    assert_eq!(upstream.hits(), 1);
+    let replay = client.post(&b.url("/v1/orders"), "shared", r#"{"n":1}"#).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.text(), r#"{"order":1}"#);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_on_one_replica_is_woken_by_the_other_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let store = || {
+        StoreHandle::new(
+            Arc::new(RedisStore::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap()),
+            Duration::from_secs(2),
+        )
+    };
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(400))).await;
+    let route = "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\non_in_flight = \"wait\"\n";
+    let a = Proxy::start_with_store(&upstream.url(), route, store()).await;
+    let b = Proxy::start_with_store(&upstream.url(), route, store()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let client = TestClient::default();
+    let first = tokio::spawn({
+        let (client, url) = (client.clone(), a.url("/v1/orders"));
+        async move { client.post(&url, "w", "{}").await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let waiter = client.post(&b.url("/v1/orders"), "w", "{}").await;
+    let waited = started.elapsed();
+    assert_eq!(waiter.status, StatusCode::CREATED, "{}", waiter.text());
+    assert!(waiter.replayed());
+    assert_eq!(first.await.unwrap().body, waiter.body);
+    assert!(
+        waited < Duration::from_millis(800),
+        "woken by a re-check, not a message: {waited:?}"
+    );
+    assert_eq!(upstream.hits(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_outage_is_503_at_once_and_recovers_by_itself() {
+    let mut redis = RedisServer::start();
+    let upstream = Upstream::created().await;
+    let reject = Proxy::start_with_store(&upstream.url(), ROUTE, redis_store(&redis.url())).await;
+    let pass = Proxy::start_with_store(
+        &upstream.url(),
+        &format!("[store]\non_error = \"pass\"\n{ROUTE}"),
+        redis_store(&redis.url()),
+    )
+    .await;
+    let client = TestClient::default();
+    assert_eq!(client.post(&reject.url("/v1/orders"), "before", "").await.status, 201);
+    let admin = format!("http://{}/readyz", reject.admin.unwrap());
+    assert_eq!(client.send("GET", &admin, &[], "").await.status, StatusCode::OK);
+
+    redis.kill();
+    for i in 0..3 {
+        let started = Instant::now();
+        let down = client.post(&reject.url("/v1/orders"), &format!("down{i}"), "").await;
+        assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+        assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(down.problem(), "store-unavailable");
+        assert_eq!(down.header("retry-after"), Some("1"));
+    }
+    assert_eq!(
+        client.send("GET", &admin, &[], "").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let hits = upstream.hits();
+    let passed = client.post(&pass.url("/v1/orders"), "passed", "").await;
+    assert_eq!(passed.status, StatusCode::CREATED);
+    assert_eq!(upstream.hits(), hits + 1, "on_error = pass forwards");
+    assert!(pass.metrics.render(None).contains(r#"outcome="store_error"} 1"#));
+
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let answer = client.post(&reject.url("/v1/orders"), "after", "").await;
+        if answer.status == StatusCode::CREATED {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no recovery: {}", answer.text());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(client.post(&reject.url("/v1/orders"), "after", "").await.replayed());
+    assert_eq!(client.send("GET", &admin, &[], "").await.status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_mid_request_holds_the_key_until_its_lease_runs_out() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start(|hit, _| {
+        if hit == 1 {
+            Reply::created(hit).delayed(Duration::from_secs(30))
+        } else {
+            Reply::created(hit)
+        }
+    })
+    .await;
+    let config = format!(
+        "[store]\nbackend = \"redis\"\nurl = \"{}\"\n[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\nlock_timeout = \"1500ms\"\n",
+        redis.url()
+    );
+    let mut doomed = Binary::start(&upstream.url(), &config).await;
+    let survivor = Proxy::start_with_store(&upstream.url(), &config, redis_store(&redis.url())).await;
+    let client = TestClient::default();
+    tokio::spawn({
+        let (client, url) = (client.clone(), doomed.url("/v1/orders"));
+        async move { client.post(&url, "crash", "{}").await }
+    });
+    while upstream.hits() < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    doomed.kill9();
+    let killed_at = Instant::now();
+    let held = client.post(&survivor.url("/v1/orders"), "crash", "{}").await;
+    assert_eq!(held.status, StatusCode::CONFLICT);
+    loop {
+        let answer = client.post(&survivor.url("/v1/orders"), "crash", "{}").await;
+        if answer.status == StatusCode::CREATED {
+            break;
+        }
+        assert_eq!(answer.status, StatusCode::CONFLICT);
+        assert!(killed_at.elapsed() < Duration::from_secs(5), "the lease never ran out");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(killed_at.elapsed() >= Duration::from_millis(500), "freed too early");
+    assert_eq!(upstream.hits(), 2);
+}
