@@ -15,6 +15,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::{Body, Frame};
+use futures_util::FutureExt;
 use http_body_util::BodyExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -137,6 +138,15 @@ struct Recorder {
 }
 
 impl Recorder {
+    fn new(limit: usize) -> Recorder {
+        Recorder {
+            chunks: Vec::new(),
+            len: 0,
+            limit,
+            over_limit: false,
+        }
+    }
+
     fn push(&mut self, data: &Bytes) {
         if self.over_limit {
             return;
@@ -223,85 +233,132 @@ impl Exchange {
         let (mut head, mut body) = response.into_parts();
         strip_hop_by_hop(&mut head.headers);
         let keep = !(head.status.is_server_error() && policy.on_server_error == OnServerError::Release);
-        let mut recorder = Recorder {
-            chunks: Vec::new(),
-            len: 0,
-            limit: usize::try_from(policy.max_response_body).unwrap_or(usize::MAX),
-            over_limit: false,
-        };
+        let mut recorder = Recorder::new(usize::try_from(policy.max_response_body).unwrap_or(usize::MAX));
         let status = head.status;
         let headers = keep.then(|| head.headers.clone());
 
-        if body.is_end_stream() {
-            // Nothing follows the head: the head is the last byte.
+        // Take the frames that have already arrived. When they are the
+        // whole body (the common case for small answers), the record is
+        // completed and the answer sent whole: no channel, no added delay.
+        let mut early: Vec<Bytes> = Vec::new();
+        let mut early_len = 0;
+        let mut trailers: Option<HeaderMap> = None;
+        let mut whole = body.is_end_stream();
+        while !whole && early_len <= recorder.limit {
+            match body.frame().now_or_never() {
+                None => break,
+                Some(None) => whole = true,
+                Some(Some(Ok(frame))) => {
+                    match frame.into_data() {
+                        Ok(data) => {
+                            early_len += data.len();
+                            early.push(data);
+                        }
+                        Err(frame) => trailers = frame.into_trailers().ok(),
+                    }
+                    whole = body.is_end_stream();
+                }
+                Some(Some(Err(error))) => {
+                    tracing::warn!(key = %key.tag(), %error, "upstream body broke off");
+                    let problem = fail(guard, &policy, Failure::Broken).await;
+                    let _ = reply.send(problem.response());
+                    return;
+                }
+            }
+        }
+        if whole && trailers.is_none() {
+            if keep {
+                early.iter().for_each(|data| recorder.push(data));
+            }
             settle(guard, &policy, status, headers, recorder).await;
-            let _ = reply.send(Response::from_parts(head, ResponseBody::empty()));
+            let body = match early.len() {
+                0 | 1 => early.pop().unwrap_or_default(),
+                _ => early.concat().into(),
+            };
+            let _ = reply.send(Response::from_parts(head, ResponseBody::full(body)));
             return;
         }
 
         let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
-        let mut client_tx = reply
-            .send(Response::from_parts(head, ResponseBody::Channel(rx)))
-            .ok()
-            .map(|_| tx);
-        // The last byte seen so far, held back until the record is settled.
-        let mut held: Option<Bytes> = None;
-        let mut trailers: Option<HeaderMap> = None;
-        loop {
-            let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
-                Ok(None) => break,
-                Ok(Some(Ok(frame))) => frame,
-                Ok(Some(Err(error))) => {
-                    tracing::warn!(key = %key.tag(), %error, "upstream body broke off");
-                    fail(guard, &policy, Failure::Broken).await;
-                    abort(client_tx, "the upstream response broke off").await;
-                    return;
-                }
-                Err(_) => {
-                    tracing::warn!(key = %key.tag(), "upstream body timed out");
-                    fail(guard, &policy, Failure::Timeout).await;
-                    abort(client_tx, "the upstream response timed out").await;
-                    return;
-                }
-            };
-            let mut data = match frame.into_data() {
-                Ok(data) => data,
-                Err(frame) => {
-                    if let Ok(t) = frame.into_trailers() {
-                        trailers = Some(t);
+        let client = reply.send(Response::from_parts(head, ResponseBody::Channel(rx))).ok().map(|_| tx);
+        let mut relay = Relay {
+            client,
+            held: None,
+            recorder: keep.then_some(recorder),
+            key,
+        };
+        for data in early {
+            relay.data(data).await;
+        }
+        if !whole {
+            loop {
+                let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+                    Ok(None) => break,
+                    Ok(Some(Ok(frame))) => frame,
+                    Ok(Some(Err(error))) => {
+                        tracing::warn!(key = %key.tag(), %error, "upstream body broke off");
+                        fail(guard, &policy, Failure::Broken).await;
+                        abort(relay.client, "the upstream response broke off").await;
+                        return;
                     }
-                    continue;
-                }
-            };
-            if data.is_empty() {
-                continue;
-            }
-            if keep {
-                recorder.push(&data);
-            }
-            if let Some(tx) = &client_tx {
-                let last = data.split_off(data.len() - 1);
-                let mut gone = false;
-                if let Some(previous) = held.replace(last) {
-                    gone |= tx.send(Ok(Frame::data(previous))).await.is_err();
-                }
-                if !data.is_empty() && !gone {
-                    gone |= tx.send(Ok(Frame::data(data))).await.is_err();
-                }
-                if gone {
-                    tracing::debug!(key = %key.tag(), "client went away; finishing the exchange for the record");
-                    client_tx = None;
+                    Err(_) => {
+                        tracing::warn!(key = %key.tag(), "upstream body timed out");
+                        fail(guard, &policy, Failure::Timeout).await;
+                        abort(relay.client, "the upstream response timed out").await;
+                        return;
+                    }
+                };
+                match frame.into_data() {
+                    Ok(data) => relay.data(data).await,
+                    Err(frame) => trailers = frame.into_trailers().ok().or(trailers),
                 }
             }
         }
+        let Relay {
+            client, held, recorder, ..
+        } = relay;
+        let recorder = recorder.unwrap_or_else(|| Recorder::new(0));
         settle(guard, &policy, status, headers, recorder).await;
-        if let Some(tx) = client_tx {
+        if let Some(tx) = client {
             if let Some(last) = held {
                 let _ = tx.send(Ok(Frame::data(last))).await;
             }
             if let Some(trailers) = trailers {
                 let _ = tx.send(Ok(Frame::trailers(trailers))).await;
             }
+        }
+    }
+}
+
+/// Streams data frames to the client, always holding back the last byte
+/// seen, while the recorder keeps a copy.
+struct Relay {
+    client: Option<mpsc::Sender<super::body::ChannelItem>>,
+    held: Option<Bytes>,
+    recorder: Option<Recorder>,
+    key: RecordKey,
+}
+
+impl Relay {
+    async fn data(&mut self, mut data: Bytes) {
+        if data.is_empty() {
+            return;
+        }
+        if let Some(recorder) = &mut self.recorder {
+            recorder.push(&data);
+        }
+        let Some(tx) = &self.client else { return };
+        let last = data.split_off(data.len() - 1);
+        let mut gone = false;
+        if let Some(previous) = self.held.replace(last) {
+            gone |= tx.send(Ok(Frame::data(previous))).await.is_err();
+        }
+        if !data.is_empty() && !gone {
+            gone |= tx.send(Ok(Frame::data(data))).await.is_err();
+        }
+        if gone {
+            tracing::debug!(key = %self.key.tag(), "client went away; finishing the exchange for the record");
+            self.client = None;
         }
     }
 }

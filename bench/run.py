@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""idemgate against nginx, side by side on one machine.
+
+Starts a trivial backend (nginx answering 201), nginx as a plain
+pass-through reverse proxy (upstream keepalive on) and idemgate on each
+store, every one on its own loopback port, then runs interleaved rounds of
+wrk (nginx, idemgate, nginx, idemgate, ...) so drift hits both alike.
+Reports requests/s, p50/p99 latency and CPU time per request of each side,
+and the ratios of the medians, as a Markdown table.
+
+Needs: wrk, nginx, redis-server (Debian packages) and a release build
+(`cargo build --release`). Only loopback addresses are used.
+
+    python3 bench/run.py                       # every scenario, 3 rounds of 10 s
+    python3 bench/run.py --rounds 5 --duration 15 --scenarios memory-new,redis-new
+"""
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BINARY = os.path.join(ROOT, "target", "release", "idemgate")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port, timeout=15):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    sys.exit(f"nothing listens on {port}")
+
+
+def cpu_seconds(pids):
+    """User + system CPU time of the processes and their threads."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except OSError:
+            pass
+    return total / CLK_TCK
+
+
+def children(pid):
+    try:
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+    except OSError:
+        return []
+
+
+NGINX_CONF = """
+worker_processes {workers};
+pid {dir}/nginx-{name}.pid;
+error_log {dir}/nginx-{name}.err warn;
+daemon off;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    keepalive_requests 1000000;
+    {body}
+}}
+"""
+
+BACKEND = """
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            default_type application/json;
+            return 201 '{{"ok":true}}';
+        }}
+    }}
+"""
+
+PASS_THROUGH = """
+    upstream backend {{
+        server 127.0.0.1:{backend};
+        keepalive 256;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }}
+    }}
+"""
+
+IDEMGATE = """
+[server]
+listen = "127.0.0.1:{port}"
+admin_listen = ""
+[upstream]
+url = "http://127.0.0.1:{backend}"
+[store]
+backend = "{store}"
+{store_extra}
+[[route]]
+name = "bench"
+path = "/bench"
+"""
+
+# One new key per request: thread id, a per-thread counter, and the time.
+NEW_KEYS = """
+local counter = 0
+local prefix = ""
+function setup(thread)
+  thread:set("tid", tostring(math.random(1, 1e9)))
+end
+function init(args)
+  prefix = tid .. "-" .. tostring(os.time()) .. "-"
+end
+function request()
+  counter = counter + 1
+  return wrk.format("POST", "/bench", {["Idempotency-Key"] = prefix .. counter, ["Content-Type"] = "application/json"}, '{"sku":42}')
+end
+"""
+
+# A small pool of keys, replayed over and over.
+REPLAYS = """
+local counter = 0
+function request()
+  counter = counter + 1
+  return wrk.format("POST", "/bench", {["Idempotency-Key"] = "replay-" .. (counter % 64), ["Content-Type"] = "application/json"}, '{"sku":42}')
+end
+"""
+
+
+class Processes:
+    def __init__(self):
+        self.procs = []
+
+    def start(self, args, **kw):
+        p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+        self.procs.append(p)
+        return p
+
+    def stop(self, p):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def stop_all(self):
+        for p in reversed(self.procs):
+            self.stop(p)
+
+
+def nginx(procs, tmp, name, body, workers):
+    conf = os.path.join(tmp, f"nginx-{name}.conf")
+    with open(conf, "w") as f:
+        f.write(NGINX_CONF.format(dir=tmp, name=name, body=body, workers=workers))
+    return procs.start(["nginx", "-c", conf, "-p", tmp])
+
+
+def wrk(port, script, duration, connections, threads):
+    out = subprocess.run(
+        ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration}s", "--latency", "-s", script,
+         f"http://127.0.0.1:{port}/bench"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    lat = {}
+    for pct in ("50", "99"):
+        m = re.search(rf"\s{pct}(?:\.000)?%\s+([\d.]+)(us|ms|s)", out)
+        value, unit = float(m.group(1)), m.group(2)
+        lat[pct] = value * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    errors = int(non2xx.group(1)) if non2xx else 0
+    return {"rps": rps, "p50": lat["50"], "p99": lat["99"], "requests": total, "non2xx": errors}
+
+
+def measure(port, pids, script, args):
+    before = cpu_seconds(pids)
+    result = wrk(port, script, args.duration, args.connections, args.threads)
+    after = cpu_seconds(pids)
+    result["cpu_us"] = (after - before) / max(result["requests"], 1) * 1e6
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=int, default=10, help="seconds per wrk run")
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="wrk threads")
+    parser.add_argument("--scenarios", default="memory-new,memory-replay,redis-new,embedded-new")
+    args = parser.parse_args()
+    for tool in ("wrk", "nginx", "redis-server"):
+        if not shutil.which(tool):
+            sys.exit(f"{tool} is missing: apt-get install wrk nginx redis-server")
+    if not os.path.exists(BINARY):
+        sys.exit("build first: cargo build --release")
+
+    tmp = tempfile.mkdtemp(prefix="idemgate-bench-")
+    procs = Processes()
+    try:
+        backend_port, nginx_port = free_port(), free_port()
+        nginx(procs, tmp, "backend", BACKEND.format(port=backend_port), 1)
+        pass_through = nginx(procs, tmp, "proxy", PASS_THROUGH.format(port=nginx_port, backend=backend_port), "auto")
+        wait_port(backend_port)
+        wait_port(nginx_port)
+        nginx_pids = [pass_through.pid] + children(pass_through.pid)
+
+        scripts = {}
+        for name, text in (("new", NEW_KEYS), ("replay", REPLAYS)):
+            scripts[name] = os.path.join(tmp, f"{name}.lua")
+            with open(scripts[name], "w") as f:
+                f.write(text)
+
+        redis_port = free_port()
+        procs.start(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        wait_port(redis_port)
+
+        rows = []
+        for scenario in args.scenarios.split(","):
+            store, kind = scenario.split("-")
+            extra = {
+                "memory": 'max_memory = "1GiB"',
+                "redis": f'url = "redis://127.0.0.1:{redis_port}/0"',
+                "embedded": f'path = "{tmp}/bench-{time.time_ns()}.redb"',
+            }[store]
+            port = free_port()
+            conf = os.path.join(tmp, f"idemgate-{scenario}.toml")
+            with open(conf, "w") as f:
+                f.write(IDEMGATE.format(port=port, backend=backend_port, store=store, store_extra=extra))
+            gate = procs.start([BINARY, "--config", conf], env={**os.environ, "RUST_LOG": "warn"})
+            wait_port(port)
+            script = scripts[kind]
+            # Warm both up (and fill the replay pool).
+            wrk(port, script, 2, args.connections, args.threads)
+            wrk(nginx_port, script, 2, args.connections, args.threads)
+            ours, theirs = [], []
+            for _ in range(args.rounds):
+                theirs.append(measure(nginx_port, nginx_pids, script, args))
+                ours.append(measure(port, [gate.pid], script, args))
+                print(f"  {scenario}: nginx {theirs[-1]['rps']:.0f} req/s, idemgate {ours[-1]['rps']:.0f} req/s",
+                      file=sys.stderr)
+            procs.stop(gate)
+            med = lambda runs, k: statistics.median(r[k] for r in runs)
+            rows.append((scenario, {k: med(theirs, k) for k in theirs[0]}, {k: med(ours, k) for k in ours[0]}))
+
+        print(f"\n{args.rounds} interleaved rounds of {args.duration} s, {args.connections} connections, "
+              f"{args.threads} wrk threads, {os.cpu_count()} cores; medians.\n")
+        print("| scenario | nginx req/s | idemgate req/s | ratio | nginx p50 / p99 ms | idemgate p50 / p99 ms "
+              "| nginx CPU µs/req | idemgate CPU µs/req | idemgate non-2xx |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for scenario, n, i in rows:
+            print(f"| {scenario} | {n['rps']:.0f} | {i['rps']:.0f} | {i['rps'] / n['rps']:.2f}× "
+                  f"| {n['p50']:.2f} / {n['p99']:.2f} | {i['p50']:.2f} / {i['p99']:.2f} "
+                  f"| {n['cpu_us']:.1f} | {i['cpu_us']:.1f} | {i['non2xx']:.0f} |")
+    finally:
+        procs.stop_all()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
