@@ -319,3 +319,35 @@ async fn memory_sweeps_expired_records_and_holds_its_budget() {
     tokio::time::sleep(Duration::from_millis(1200)).await;
     assert_eq!(store.stored_bytes(), 0, "the sweeper removed expired records");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_sweeps_expired_records_from_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(EmbeddedStore::open(&dir.path().join("sweep.redb")).unwrap());
+    let writes: Vec<_> = (0..6000)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let (k, owner) = (key(), Owner::new());
+                store.claim(&k, &A, owner, LONG, None).await.unwrap();
+                store
+                    .complete(&k, owner, response("x"), Duration::from_millis(200))
+                    .await
+                    .unwrap();
+            })
+        })
+        .collect();
+    for write in writes {
+        write.await.unwrap();
+    }
+    assert!(store.records().unwrap() > 0);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while store.records().unwrap() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "{} records never swept",
+            store.records().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

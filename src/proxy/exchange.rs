@@ -13,9 +13,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use futures_util::FutureExt;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::{Body, Frame};
-use futures_util::FutureExt;
 use http_body_util::BodyExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -44,50 +44,80 @@ pub struct Exchange {
     pub timeout: Duration,
 }
 
-/// Holds a claim: renews its lease while alive, releases it when dropped
-/// unless it was completed or released on purpose.
+/// Holds a claim: renews its lease while the exchange runs long, releases
+/// it when dropped unless it was completed or released on purpose.
+///
+/// Most exchanges end well within a third of the lease, so the renewal task
+/// is only spawned once one has run that long (see [`ClaimGuard::renewing`]).
 struct ClaimGuard {
     store: StoreHandle,
     key: RecordKey,
     owner: Owner,
+    lease: Duration,
     metrics: Arc<Metrics>,
-    renewal: JoinHandle<()>,
+    renewal: Option<JoinHandle<()>>,
     settled: bool,
 }
 
 impl ClaimGuard {
     fn new(store: StoreHandle, key: RecordKey, owner: Owner, lease: Duration, metrics: Arc<Metrics>) -> ClaimGuard {
         metrics.in_flight.fetch_add(1, Ordering::Relaxed);
-        let renewal = tokio::spawn({
-            let store = store.clone();
-            async move {
-                let every = (lease / 3).max(Duration::from_millis(1));
-                let mut tick = tokio::time::interval_at(Instant::now() + every, every);
-                loop {
-                    tick.tick().await;
-                    match store.renew(&key, owner, lease).await {
-                        Ok(true) => {}
-                        Ok(false) => {
-                            tracing::warn!(key = %key.tag(), "lease lost before the exchange finished");
-                            return;
-                        }
-                        Err(error) => tracing::warn!(key = %key.tag(), %error, "lease renewal failed"),
-                    }
-                }
-            }
-        });
         ClaimGuard {
             store,
             key,
             owner,
+            lease,
             metrics,
-            renewal,
+            renewal: None,
             settled: false,
         }
     }
 
+    fn every(&self) -> Duration {
+        (self.lease / 3).max(Duration::from_millis(1))
+    }
+
+    /// Renews the lease every third of it from now on, until settled.
+    fn start_renewal(&mut self) {
+        if self.renewal.is_some() {
+            return;
+        }
+        let (store, key, owner, lease, every) = (self.store.clone(), self.key, self.owner, self.lease, self.every());
+        self.renewal = Some(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tick.tick().await;
+                match store.renew(&key, owner, lease).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::warn!(key = %key.tag(), "lease lost before the exchange finished");
+                        return;
+                    }
+                    Err(error) => tracing::warn!(key = %key.tag(), %error, "lease renewal failed"),
+                }
+            }
+        }));
+    }
+
+    /// Runs `work`, starting the renewal if it lasts a third of the lease.
+    async fn renewing<F: Future>(&mut self, work: F) -> F::Output {
+        if self.renewal.is_some() {
+            return work.await;
+        }
+        tokio::pin!(work);
+        tokio::select! {
+            biased;
+            done = &mut work => return done,
+            () = tokio::time::sleep(self.every()) => {}
+        }
+        self.start_renewal();
+        work.await
+    }
+
     fn settle(&mut self) {
-        self.renewal.abort();
+        if let Some(renewal) = self.renewal.take() {
+            renewal.abort();
+        }
         self.settled = true;
     }
 
@@ -119,7 +149,9 @@ impl Drop for ClaimGuard {
         if self.settled {
             return;
         }
-        self.renewal.abort();
+        if let Some(renewal) = self.renewal.take() {
+            renewal.abort();
+        }
         let (store, key, owner) = (self.store.clone(), self.key, self.owner);
         tokio::spawn(async move {
             if let Err(error) = store.release(&key, owner).await {
@@ -203,10 +235,12 @@ impl Exchange {
             request,
             timeout,
         } = self;
-        let guard = ClaimGuard::new(store, key, owner, policy.lock_timeout, metrics.clone());
+        let mut guard = ClaimGuard::new(store, key, owner, policy.lock_timeout, metrics.clone());
         let deadline = Instant::now() + timeout;
         let started = Instant::now();
-        let sent = tokio::time::timeout_at(deadline, client.request(request)).await;
+        let sent = guard
+            .renewing(tokio::time::timeout_at(deadline, client.request(request)))
+            .await;
         metrics.upstream_latency.observe(started.elapsed());
         let response = match sent {
             Ok(Ok(response)) => response,
@@ -244,8 +278,15 @@ impl Exchange {
         let mut early_len = 0;
         let mut trailers: Option<HeaderMap> = None;
         let mut whole = body.is_end_stream();
+        let mut yielded = false;
         while !whole && early_len <= recorder.limit {
             match body.frame().now_or_never() {
+                // The upstream connection's task may not have passed the
+                // body on yet: let it run once, then stream what is missing.
+                None if !yielded => {
+                    yielded = true;
+                    tokio::task::yield_now().await;
+                }
                 None => break,
                 Some(None) => whole = true,
                 Some(Some(Ok(frame))) => {
@@ -279,8 +320,13 @@ impl Exchange {
             return;
         }
 
+        // A streamed body may take its time: keep the lease alive.
+        guard.start_renewal();
         let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
-        let client = reply.send(Response::from_parts(head, ResponseBody::Channel(rx))).ok().map(|_| tx);
+        let client = reply
+            .send(Response::from_parts(head, ResponseBody::Channel(rx)))
+            .ok()
+            .map(|_| tx);
         let mut relay = Relay {
             client,
             held: None,

@@ -9,8 +9,9 @@
 //! Replays of completed records are read in a read transaction without
 //! going through the writer. Leases and TTLs are wall-clock deadlines in
 //! the record, so a claim of a crashed process runs out after a restart.
-//! Expired records are swept by the writer, a bounded batch at a time,
-//! through an index ordered by deadline.
+//! An expired record is ignored at once and removed by the writer's sweep,
+//! which walks the table a bounded batch at a time (a cursor that wraps
+//! around), so no second index has to be written on every operation.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -19,7 +20,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, Table, TableDefinition};
 use tokio::sync::oneshot;
 
 use super::codec::{self, Decoded};
@@ -28,14 +29,12 @@ use super::{Claim, Fingerprint, Outcome, Owner, RecordKey, Store, StoreError};
 
 /// Record key -> deadline (ms since the epoch, big-endian) ++ encoded record.
 const RECORDS: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("records");
-/// Deadline ++ record key, for the sweeper.
-const DEADLINES: TableDefinition<&[u8; 40], ()> = TableDefinition::new("deadlines");
 
 /// Most operations applied in one transaction.
 const MAX_BATCH: usize = 1024;
-/// How often expired records are swept, and how many at most per sweep.
+/// How often the sweep runs, and how many records it looks at each time.
 const SWEEP_EVERY: Duration = Duration::from_millis(500);
-const SWEEP_BATCH: usize = 1000;
+const SWEEP_BATCH: usize = 4096;
 
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -106,13 +105,6 @@ fn split(value: &[u8]) -> Result<Stored, StoreError> {
     })
 }
 
-fn deadline_key(deadline: u64, key: &RecordKey) -> [u8; 40] {
-    let mut k = [0u8; 40];
-    k[..8].copy_from_slice(&deadline.to_be_bytes());
-    k[8..].copy_from_slice(&key.0);
-    k
-}
-
 impl EmbeddedStore {
     /// Opens (or creates) the file at `path` and starts the writer thread.
     pub fn open(path: &Path) -> Result<EmbeddedStore, StoreError> {
@@ -120,7 +112,6 @@ impl EmbeddedStore {
         {
             let txn = db.begin_write().map_err(unavailable)?;
             txn.open_table(RECORDS).map_err(unavailable)?;
-            txn.open_table(DEADLINES).map_err(unavailable)?;
             txn.commit().map_err(unavailable)?;
         }
         let db = Arc::new(db);
@@ -129,12 +120,20 @@ impl EmbeddedStore {
         let writer = Writer {
             db: db.clone(),
             waiters: waiters.clone(),
+            sweep_from: None,
         };
         std::thread::Builder::new()
             .name("idemgate-embedded-writer".into())
             .spawn(move || writer.run(rx))
             .map_err(unavailable)?;
         Ok(EmbeddedStore { db, ops, waiters })
+    }
+
+    /// How many records the file holds, expired ones not yet swept included.
+    pub fn records(&self) -> Result<u64, StoreError> {
+        let txn = self.db.begin_read().map_err(unavailable)?;
+        let table = txn.open_table(RECORDS).map_err(unavailable)?;
+        table.len().map_err(unavailable)
     }
 
     fn read(&self, key: &RecordKey) -> Result<Option<Stored>, StoreError> {
@@ -249,6 +248,8 @@ impl Store for EmbeddedStore {
 struct Writer {
     db: Arc<Database>,
     waiters: Arc<Waiters>,
+    /// Where the next sweep starts; `None`: at the beginning.
+    sweep_from: Option<[u8; 32]>,
 }
 
 /// An answer held until the batch's commit succeeds.
@@ -262,7 +263,7 @@ enum Pending {
 }
 
 impl Writer {
-    fn run(self, ops: std_mpsc::Receiver<Op>) {
+    fn run(mut self, ops: std_mpsc::Receiver<Op>) {
         let mut last_sweep = std::time::Instant::now();
         loop {
             let mut batch = Vec::new();
@@ -289,23 +290,24 @@ impl Writer {
     }
 
     /// Applies a batch in one transaction and answers it after the commit.
-    fn apply(&self, batch: Vec<Op>, sweep: bool) {
+    fn apply(&mut self, batch: Vec<Op>, sweep: bool) {
         let mut pending = Vec::with_capacity(batch.len());
         let committed = (|| -> Result<(), StoreError> {
             let txn = self.db.begin_write().map_err(unavailable)?;
             {
                 let mut records = txn.open_table(RECORDS).map_err(unavailable)?;
-                let mut deadlines = txn.open_table(DEADLINES).map_err(unavailable)?;
                 let mut tables = Tables {
                     records: &mut records,
-                    deadlines: &mut deadlines,
                     now: now_ms(),
                 };
                 for op in batch {
                     pending.push(tables.apply(op));
                 }
-                if sweep && let Err(error) = tables.sweep() {
-                    tracing::warn!(%error, "sweeping expired records failed");
+                if sweep {
+                    match tables.sweep(self.sweep_from) {
+                        Ok(next) => self.sweep_from = next,
+                        Err(error) => tracing::warn!(%error, "sweeping expired records failed"),
+                    }
                 }
             }
             txn.commit().map_err(unavailable)
@@ -337,7 +339,6 @@ fn copy_error(error: &StoreError) -> StoreError {
 
 struct Tables<'a, 't> {
     records: &'a mut Table<'t, &'static [u8; 32], &'static [u8]>,
-    deadlines: &'a mut Table<'t, &'static [u8; 40], ()>,
     now: u64,
 }
 
@@ -349,42 +350,11 @@ impl Tables<'_, '_> {
         Ok(stored.filter(|s| s.deadline > self.now))
     }
 
-    fn put(
-        &mut self,
-        key: &RecordKey,
-        old_deadline: Option<u64>,
-        deadline: u64,
-        record: &[u8],
-    ) -> Result<(), StoreError> {
-        if let Some(old) = old_deadline {
-            self.deadlines.remove(&deadline_key(old, key)).map_err(unavailable)?;
-        }
+    fn put(&mut self, key: &RecordKey, deadline: u64, record: &[u8]) -> Result<(), StoreError> {
         let mut value = Vec::with_capacity(8 + record.len());
         value.extend_from_slice(&deadline.to_be_bytes());
         value.extend_from_slice(record);
-        let previous = self.records.insert(&key.0, value.as_slice()).map_err(unavailable)?;
-        // An expired record being replaced: drop its index entry too.
-        if let Some(previous) = previous
-            && old_deadline.is_none()
-        {
-            let previous = split(previous.value())?;
-            drop(
-                self.deadlines
-                    .remove(&deadline_key(previous.deadline, key))
-                    .map_err(unavailable)?,
-            );
-        }
-        self.deadlines
-            .insert(&deadline_key(deadline, key), ())
-            .map_err(unavailable)?;
-        Ok(())
-    }
-
-    fn remove(&mut self, key: &RecordKey, deadline: u64) -> Result<(), StoreError> {
-        self.records.remove(&key.0).map_err(unavailable)?;
-        self.deadlines
-            .remove(&deadline_key(deadline, key))
-            .map_err(unavailable)?;
+        self.records.insert(&key.0, value.as_slice()).map_err(unavailable)?;
         Ok(())
     }
 
@@ -418,7 +388,7 @@ impl Tables<'_, '_> {
                     Some(held) => {
                         let fingerprint = codec::fingerprint_of(&held.record)?;
                         let record = codec::completed(&fingerprint, &outcome);
-                        self.put(&key, Some(held.deadline), self.now.saturating_add(ttl), &record)?;
+                        self.put(&key, self.now.saturating_add(ttl), &record)?;
                         Ok(true)
                     }
                 });
@@ -427,7 +397,7 @@ impl Tables<'_, '_> {
             Op::Release { key, owner, reply } => {
                 let result = self.owned(&key, owner).and_then(|held| match held {
                     None => Ok(false),
-                    Some(held) => self.remove(&key, held.deadline).map(|()| true),
+                    Some(_) => self.records.remove(&key.0).map(|_| true).map_err(unavailable),
                 });
                 Pending::Flag(reply, result, Some(key))
             }
@@ -441,7 +411,7 @@ impl Tables<'_, '_> {
                     None => Ok(false),
                     Some(held) => {
                         let record = held.record.clone();
-                        self.put(&key, Some(held.deadline), self.now.saturating_add(lease), &record)?;
+                        self.put(&key, self.now.saturating_add(lease), &record)?;
                         Ok(true)
                     }
                 });
@@ -470,7 +440,7 @@ impl Tables<'_, '_> {
                     outcome,
                 } => {
                     if let Some(ttl) = refresh.filter(|_| found == *fingerprint) {
-                        self.put(key, Some(deadline), self.now.saturating_add(ttl), &stored.record)?;
+                        self.put(key, self.now.saturating_add(ttl), &stored.record)?;
                     }
                     Claim::Completed {
                         fingerprint: found,
@@ -480,36 +450,33 @@ impl Tables<'_, '_> {
             });
         }
         let record = codec::in_flight(fingerprint, owner);
-        self.put(key, None, self.now.saturating_add(lease), &record)?;
+        self.put(key, self.now.saturating_add(lease), &record)?;
         Ok(Claim::Claimed)
     }
 
-    /// Removes up to `SWEEP_BATCH` records whose deadline has passed.
-    fn sweep(&mut self) -> Result<(), StoreError> {
-        let bound = deadline_key(self.now, &RecordKey([0; 32]));
-        let expired: Vec<[u8; 40]> = self
-            .deadlines
-            .range::<&[u8; 40]>(..&bound)
-            .map_err(unavailable)?
-            .take(SWEEP_BATCH)
-            .map(|entry| entry.map(|(k, _)| *k.value()))
-            .collect::<Result<_, _>>()
-            .map_err(unavailable)?;
-        for index in expired {
-            self.deadlines.remove(&index).map_err(unavailable)?;
-            let key: [u8; 32] = index[8..].try_into().expect("32 bytes");
-            let deadline = u64::from_be_bytes(index[..8].try_into().expect("8 bytes"));
-            // Remove the record only if it is still the one that expired.
-            let current = self
-                .records
-                .get(&key)
-                .map_err(unavailable)?
-                .map(|v| split(v.value()))
-                .transpose()?;
-            if current.is_some_and(|s| s.deadline == deadline) {
-                self.records.remove(&key).map_err(unavailable)?;
+    /// Looks at up to `SWEEP_BATCH` records from `from` on and removes the
+    /// expired ones. Returns where the next sweep starts.
+    fn sweep(&mut self, from: Option<[u8; 32]>) -> Result<Option<[u8; 32]>, StoreError> {
+        let start = from.unwrap_or([0; 32]);
+        let mut expired = Vec::new();
+        let mut last = None;
+        let mut seen = 0;
+        for entry in self.records.range::<&[u8; 32]>(&start..).map_err(unavailable)? {
+            let (key, value) = entry.map_err(unavailable)?;
+            let key = *key.value();
+            if split(value.value()).is_ok_and(|s| s.deadline <= self.now) {
+                expired.push(key);
+            }
+            last = Some(key);
+            seen += 1;
+            if seen == SWEEP_BATCH {
+                break;
             }
         }
-        Ok(())
+        for key in &expired {
+            self.records.remove(key).map_err(unavailable)?;
+        }
+        // A short batch reached the end of the table: start over next time.
+        Ok(if seen == SWEEP_BATCH { last } else { None })
     }
 }
