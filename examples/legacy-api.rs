@@ -51,7 +51,12 @@ async fn handle(request: Request<Incoming>, books: Arc<Mutex<Books>>) -> Respons
         .unwrap_or("-")
         .to_string();
     let (method, path) = (request.method().clone(), request.uri().path().to_string());
-    let body = request.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let body = request
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
     let body = String::from_utf8_lossy(&body).into_owned();
     tokio::time::sleep(Duration::from_millis(delay)).await;
     let mut books = books.lock().unwrap();
@@ -60,7 +65,10 @@ async fn handle(request: Request<Incoming>, books: Arc<Mutex<Books>>) -> Respons
             books.orders.push(body.clone());
             let id = books.orders.len();
             println!("created order {id} (key {key})");
-            json(StatusCode::CREATED, format!("{{\"order_id\":{id},\"request\":{body:?}}}"))
+            json(
+                StatusCode::CREATED,
+                format!("{{\"order_id\":{id},\"request\":{body:?}}}"),
+            )
         }
         (Method::GET, "/v1/orders") => {
             let list: Vec<String> = books.orders.iter().map(|o| format!("{o:?}")).collect();

@@ -69,9 +69,31 @@ fn serve(path: &Path) -> anyhow::Result<()> {
         .context("cannot start the async runtime")?;
     runtime.block_on(async {
         let server = Server::bind(config).await?;
+        reload_on_sighup(path.to_path_buf(), server.reloader())?;
         server.run(shutdown_signal()).await;
         Ok(())
     })
+}
+
+/// SIGHUP re-reads the file; an invalid one is logged and the running
+/// configuration kept.
+fn reload_on_sighup(path: PathBuf, reloader: idemgate::server::Reloader) -> anyhow::Result<()> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut hangups = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
+        tokio::spawn(async move {
+            while hangups.recv().await.is_some() {
+                match Config::load(&path) {
+                    Ok(config) => reloader.apply(config),
+                    Err(error) => tracing::error!("reload refused, the running configuration stays: {error}"),
+                }
+            }
+        });
+    }
+    #[cfg(not(unix))]
+    let _ = (path, reloader);
+    Ok(())
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

@@ -20,6 +20,7 @@ use http_body_util::BodyExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
 
 use super::body::{ResponseBody, UpstreamBody};
 use super::forward::{UpstreamClient, strip_hop_by_hop};
@@ -215,9 +216,9 @@ enum Failure {
 }
 
 /// Runs the exchange in its own task and returns the client's response.
-pub async fn run(exchange: Exchange) -> Response<ResponseBody> {
+pub async fn run(tracker: &TaskTracker, exchange: Exchange) -> Response<ResponseBody> {
     let (reply, response) = oneshot::channel();
-    tokio::spawn(exchange.drive(reply));
+    tracker.spawn(exchange.drive(reply));
     response
         .await
         .unwrap_or_else(|_| Problem::UpstreamUnavailable("the exchange ended unexpectedly".into()).response())

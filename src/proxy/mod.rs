@@ -28,6 +28,9 @@ use http::{HeaderValue, Request, Response, Uri};
 use http_body_util::{BodyExt, Either, Full, Limited};
 use hyper::body::Incoming;
 use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+use tracing::field::Empty;
+use tracing::{Instrument, Span};
 
 pub use body::ResponseBody;
 pub use forward::Peer;
@@ -55,6 +58,7 @@ pub struct Gateway {
     store: StoreHandle,
     client: UpstreamClient,
     metrics: Arc<Metrics>,
+    exchanges: TaskTracker,
 }
 
 /// A request body: still streaming from the client, or already buffered.
@@ -75,7 +79,8 @@ impl From<RequestBody> for UpstreamBody {
 static REPLAYED: http::HeaderName = http::HeaderName::from_static("idempotent-replayed");
 
 impl Gateway {
-    pub fn new(config: Arc<Config>, store: StoreHandle, metrics: Arc<Metrics>) -> Gateway {
+    /// `exchanges` tracks every claimed exchange, so shutdown can wait for them.
+    pub fn new(config: Arc<Config>, store: StoreHandle, metrics: Arc<Metrics>, exchanges: TaskTracker) -> Gateway {
         let routes = config
             .routes
             .iter()
@@ -92,6 +97,7 @@ impl Gateway {
             store,
             metrics,
             config,
+            exchanges,
         }
     }
 
@@ -104,7 +110,21 @@ impl Gateway {
     }
 
     /// Answers one client request. Never fails: every error is a response.
+    ///
+    /// Runs in a `request` span with the route, the outcome and a short hash
+    /// of the record key (never the key itself).
     pub async fn handle(&self, request: Request<Incoming>, peer: Peer) -> Response<ResponseBody> {
+        let span = tracing::info_span!("request", route = Empty, outcome = Empty, key = Empty);
+        async {
+            let response = self.pipeline(request, peer).await;
+            tracing::debug!(status = response.status().as_u16(), "answered");
+            response
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn pipeline(&self, request: Request<Incoming>, peer: Peer) -> Response<ResponseBody> {
         let Some((live, params)) = self.route_for(&request) else {
             self.passthrough.count(Outcome::Passthrough);
             let upstream = self.config.upstream.url.clone();
@@ -148,6 +168,7 @@ impl Gateway {
         let policy = &live.policy;
         let upstream = self.config.upstream_of(&live.route);
         let (parts, body) = request.into_parts();
+        Span::current().record("route", live.route.name.as_str());
 
         // 2. The key header.
         let header_key = match key::from_header(&policy.key, &parts.headers) {
@@ -207,6 +228,7 @@ impl Gateway {
         // 4. Fingerprint and record key.
         let fingerprint = fingerprint::fingerprint(&policy.fingerprint, &parts, &body, json.as_ref());
         let record_key = key::record_key(&policy.scope, &parts.headers, &key);
+        Span::current().record("key", record_key.tag());
         drop(json);
 
         // 5. Claim.
@@ -282,16 +304,19 @@ impl Gateway {
                 HeaderValue::from_str(&key).expect("keys are visible ASCII"),
             );
         }
-        exchange::run(Exchange {
-            store: self.store.clone(),
-            client: self.client.clone(),
-            metrics: self.metrics.clone(),
-            policy: policy.clone(),
-            key: record_key,
-            owner,
-            request,
-            timeout: self.config.upstream.timeout,
-        })
+        exchange::run(
+            &self.exchanges,
+            Exchange {
+                store: self.store.clone(),
+                client: self.client.clone(),
+                metrics: self.metrics.clone(),
+                policy: policy.clone(),
+                key: record_key,
+                owner,
+                request,
+                timeout: self.config.upstream.timeout,
+            },
+        )
         .await
     }
 

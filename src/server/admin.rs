@@ -4,6 +4,8 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
+
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
@@ -17,7 +19,12 @@ use tokio::sync::watch;
 use crate::proxy::{Gateway, ResponseBody};
 use crate::telemetry::Metrics;
 
-pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, metrics: Arc<Metrics>, mut stop: watch::Receiver<()>) {
+pub async fn serve(
+    listener: TcpListener,
+    gateway: Arc<ArcSwap<Gateway>>,
+    metrics: Arc<Metrics>,
+    mut stop: watch::Receiver<()>,
+) {
     let builder = auto::Builder::new(TokioExecutor::new());
     loop {
         let stream = tokio::select! {
@@ -29,7 +36,7 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, metrics: Arc<Me
         };
         let (gateway, metrics) = (gateway.clone(), metrics.clone());
         let service = service_fn(move |request| {
-            let (gateway, metrics) = (gateway.clone(), metrics.clone());
+            let (gateway, metrics) = (gateway.load_full(), metrics.clone());
             async move { Ok::<_, Infallible>(answer(request, &gateway, &metrics).await) }
         });
         let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();

@@ -7,11 +7,13 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::proxy::{Gateway, Peer};
@@ -34,8 +36,44 @@ pub enum ServerError {
 pub struct Server {
     listener: TcpListener,
     admin: Option<TcpListener>,
-    gateway: Arc<Gateway>,
+    gateway: Arc<ArcSwap<Gateway>>,
     metrics: Arc<Metrics>,
+    /// Every claimed exchange, across reloads: drained on shutdown.
+    exchanges: TaskTracker,
+}
+
+/// Swaps in a new configuration while the server runs.
+#[derive(Clone)]
+pub struct Reloader {
+    gateway: Arc<ArcSwap<Gateway>>,
+    metrics: Arc<Metrics>,
+    exchanges: TaskTracker,
+}
+
+impl Reloader {
+    /// Applies `config` to every request that starts from now on; requests
+    /// in flight finish under the configuration they started with. The
+    /// listeners and the store stay as they are: changing those needs a
+    /// restart, and is logged.
+    pub fn apply(&self, config: Config) {
+        let old = self.gateway.load();
+        let before = old.config();
+        if config.server.listen != before.server.listen || config.server.admin_listen != before.server.admin_listen {
+            tracing::warn!("listen addresses changed: they take effect after a restart");
+        }
+        if format!("{:?}", config.store.backend) != format!("{:?}", before.store.backend) {
+            tracing::warn!("store backend changed: it takes effect after a restart");
+        }
+        let gateway = Gateway::new(
+            Arc::new(config),
+            old.store().clone(),
+            self.metrics.clone(),
+            self.exchanges.clone(),
+        );
+        let routes = gateway.config().routes.len();
+        self.gateway.store(Arc::new(gateway));
+        tracing::info!(routes, "configuration reloaded");
+    }
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, ServerError> {
@@ -59,12 +97,14 @@ impl Server {
             None => None,
         };
         let metrics = Arc::new(Metrics::default());
-        let gateway = Arc::new(Gateway::new(Arc::new(config), store, metrics.clone()));
+        let exchanges = TaskTracker::new();
+        let gateway = Gateway::new(Arc::new(config), store, metrics.clone(), exchanges.clone());
         Ok(Server {
             listener,
             admin,
-            gateway,
+            gateway: Arc::new(ArcSwap::from_pointee(gateway)),
             metrics,
+            exchanges,
         })
     }
 
@@ -80,16 +120,26 @@ impl Server {
         self.metrics.clone()
     }
 
+    /// A handle that swaps in a new configuration (SIGHUP).
+    pub fn reloader(&self) -> Reloader {
+        Reloader {
+            gateway: self.gateway.clone(),
+            metrics: self.metrics.clone(),
+            exchanges: self.exchanges.clone(),
+        }
+    }
+
     /// Serves until `shutdown` resolves, then stops accepting and lets open
-    /// connections finish for `shutdown_grace`.
+    /// connections and claimed exchanges finish for `shutdown_grace`.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let Server {
             listener,
             admin,
             gateway,
             metrics,
+            exchanges,
         } = self;
-        let config = gateway.config().clone();
+        let config = gateway.load().config().clone();
         let (stop_admin, admin_stopped) = tokio::sync::watch::channel(());
         if let Some(admin) = admin {
             tokio::spawn(admin::serve(admin, gateway.clone(), metrics, admin_stopped));
@@ -122,7 +172,7 @@ impl Server {
             let peer = Peer { addr, tls: false };
             let gateway = gateway.clone();
             let service = service_fn(move |request| {
-                let gateway = gateway.clone();
+                let gateway = gateway.load_full();
                 async move { Ok::<_, Infallible>(gateway.handle(request, peer).await) }
             });
             let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
@@ -136,10 +186,21 @@ impl Server {
 
         drop(listener);
         let _ = stop_admin.send(());
-        tracing::info!(grace = ?config.server.shutdown_grace, "draining connections");
-        tokio::select! {
-            () = graceful.shutdown() => tracing::info!("all connections closed"),
-            () = tokio::time::sleep(config.server.shutdown_grace) => tracing::warn!("shutdown grace ran out; closing"),
+        let grace = gateway.load().config().server.shutdown_grace;
+        tracing::info!(?grace, "draining connections and claimed exchanges");
+        // An exchange outlives its connection when the client hung up: wait
+        // for those too, so their records are completed.
+        exchanges.close();
+        let drained = async {
+            graceful.shutdown().await;
+            exchanges.wait().await;
+        };
+        match tokio::time::timeout(grace, drained).await {
+            Ok(()) => tracing::info!("drained"),
+            Err(_) => tracing::warn!(
+                open = exchanges.len(),
+                "shutdown grace ran out; exchanges still open keep their claims until their leases end"
+            ),
         }
     }
 }

@@ -103,8 +103,10 @@ pub struct RouteCounters {
 }
 
 impl RouteCounters {
+    /// Counts `outcome`, and records it on the current request span.
     pub fn count(&self, outcome: Outcome) {
         self.counts[outcome as usize].fetch_add(1, Ordering::Relaxed);
+        tracing::Span::current().record("outcome", outcome.name());
     }
 
     pub fn get(&self, outcome: Outcome) -> u64 {

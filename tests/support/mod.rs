@@ -246,6 +246,7 @@ pub struct Proxy {
     pub admin: Option<SocketAddr>,
     pub metrics: Arc<Metrics>,
     pub store: StoreHandle,
+    pub reloader: idemgate::server::Reloader,
     stop: Option<oneshot::Sender<()>>,
     done: Option<tokio::task::JoinHandle<()>>,
 }
@@ -268,6 +269,7 @@ impl Proxy {
         let server = Server::bind_with_store(config, store.clone()).await.unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         let (addr, admin, metrics) = (server.local_addr(), server.admin_addr(), server.metrics());
+        let reloader = server.reloader();
         let done = tokio::spawn(server.run(async {
             let _ = stopped.await;
         }));
@@ -276,6 +278,7 @@ impl Proxy {
             admin,
             metrics,
             store,
+            reloader,
             stop: Some(stop),
             done: Some(done),
         }
@@ -283,6 +286,12 @@ impl Proxy {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// Applies a new configuration (as SIGHUP does), with the basics filled in.
+    pub fn reload(&self, upstream: &str, toml: &str) {
+        let config = Config::parse(&with_basics(upstream, toml), "reload.toml").unwrap_or_else(|e| panic!("{e}"));
+        self.reloader.apply(config);
     }
 
     /// Stops accepting and waits for the drain to finish.
@@ -432,6 +441,30 @@ impl Binary {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn signal(&self, name: &str) {
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{name}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Waits for the process to exit by itself.
+    pub fn wait(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + within;
+        while std::time::Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    pub fn config_path(&self) -> &std::path::Path {
+        self._config.path()
     }
 
     /// SIGKILL: no cleanup of any kind.
