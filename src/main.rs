@@ -85,7 +85,11 @@ fn reload_on_sighup(path: PathBuf, reloader: idemgate::server::Reloader) -> anyh
         tokio::spawn(async move {
             while hangups.recv().await.is_some() {
                 match Config::load(&path) {
-                    Ok(config) => reloader.apply(config),
+                    Ok(config) => {
+                        if let Err(error) = reloader.apply(config) {
+                            tracing::error!("reload refused, the running configuration stays: {error}");
+                        }
+                    }
                     Err(error) => tracing::error!("reload refused, the running configuration stays: {error}"),
                 }
             }

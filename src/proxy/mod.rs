@@ -80,7 +80,12 @@ static REPLAYED: http::HeaderName = http::HeaderName::from_static("idempotent-re
 
 impl Gateway {
     /// `exchanges` tracks every claimed exchange, so shutdown can wait for them.
-    pub fn new(config: Arc<Config>, store: StoreHandle, metrics: Arc<Metrics>, exchanges: TaskTracker) -> Gateway {
+    pub fn new(
+        config: Arc<Config>,
+        store: StoreHandle,
+        metrics: Arc<Metrics>,
+        exchanges: TaskTracker,
+    ) -> Result<Gateway, crate::server::tls::TlsError> {
         let routes = config
             .routes
             .iter()
@@ -90,15 +95,15 @@ impl Gateway {
                 counters: metrics.route(&route.name),
             })
             .collect();
-        Gateway {
-            client: forward::client(config.upstream.connect_timeout),
+        Ok(Gateway {
+            client: forward::client(&config.upstream)?,
             passthrough: metrics.route(""),
             routes,
             store,
             metrics,
             config,
             exchanges,
-        }
+        })
     }
 
     pub fn config(&self) -> &Arc<Config> {

@@ -2,6 +2,7 @@
 //! hyper-util's auto builder), the admin listener, and graceful shutdown.
 
 mod admin;
+pub mod tls;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -13,6 +14,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
@@ -30,12 +32,15 @@ pub enum ServerError {
     },
     #[error("cannot open the store")]
     Store(#[from] OpenError),
+    #[error("TLS setup failed")]
+    Tls(#[from] tls::TlsError),
 }
 
 /// A bound, ready-to-run idemgate.
 pub struct Server {
     listener: TcpListener,
     admin: Option<TcpListener>,
+    tls: Option<TlsAcceptor>,
     gateway: Arc<ArcSwap<Gateway>>,
     metrics: Arc<Metrics>,
     /// Every claimed exchange, across reloads: drained on shutdown.
@@ -55,7 +60,7 @@ impl Reloader {
     /// in flight finish under the configuration they started with. The
     /// listeners and the store stay as they are: changing those needs a
     /// restart, and is logged.
-    pub fn apply(&self, config: Config) {
+    pub fn apply(&self, config: Config) -> Result<(), tls::TlsError> {
         let old = self.gateway.load();
         let before = old.config();
         if config.server.listen != before.server.listen || config.server.admin_listen != before.server.admin_listen {
@@ -64,15 +69,19 @@ impl Reloader {
         if format!("{:?}", config.store.backend) != format!("{:?}", before.store.backend) {
             tracing::warn!("store backend changed: it takes effect after a restart");
         }
+        if config.server.tls.is_some() != before.server.tls.is_some() {
+            tracing::warn!("turning TLS on or off takes effect after a restart");
+        }
         let gateway = Gateway::new(
             Arc::new(config),
             old.store().clone(),
             self.metrics.clone(),
             self.exchanges.clone(),
-        );
+        )?;
         let routes = gateway.config().routes.len();
         self.gateway.store(Arc::new(gateway));
         tracing::info!(routes, "configuration reloaded");
+        Ok(())
     }
 }
 
@@ -91,17 +100,21 @@ impl Server {
 
     /// Binds the listeners around an already opened store.
     pub async fn bind_with_store(config: Config, store: StoreHandle) -> Result<Server, ServerError> {
+        // Everything that can fail on a bad file fails before any port is bound.
+        let tls = config.server.tls.as_ref().map(tls::acceptor).transpose()?;
+        let metrics = Arc::new(Metrics::default());
+        let exchanges = TaskTracker::new();
+        let gateway = Gateway::new(Arc::new(config), store, metrics.clone(), exchanges.clone())?;
+        let config = gateway.config().clone();
         let listener = bind(config.server.listen).await?;
         let admin = match config.server.admin_listen {
             Some(addr) => Some(bind(addr).await?),
             None => None,
         };
-        let metrics = Arc::new(Metrics::default());
-        let exchanges = TaskTracker::new();
-        let gateway = Gateway::new(Arc::new(config), store, metrics.clone(), exchanges.clone());
         Ok(Server {
             listener,
             admin,
+            tls,
             gateway: Arc::new(ArcSwap::from_pointee(gateway)),
             metrics,
             exchanges,
@@ -135,6 +148,7 @@ impl Server {
         let Server {
             listener,
             admin,
+            tls,
             gateway,
             metrics,
             exchanges,
@@ -169,19 +183,43 @@ impl Server {
                 () = &mut shutdown => break,
             };
             let _ = stream.set_nodelay(true);
-            let peer = Peer { addr, tls: false };
+            let peer = Peer {
+                addr,
+                tls: tls.is_some(),
+            };
             let gateway = gateway.clone();
             let service = service_fn(move |request| {
                 let gateway = gateway.load_full();
                 async move { Ok::<_, Infallible>(gateway.handle(request, peer).await) }
             });
-            let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
-            let connection = graceful.watch(connection);
-            tokio::spawn(async move {
-                if let Err(error) = connection.await {
-                    tracing::debug!(%error, "connection ended with an error");
+            match &tls {
+                None => {
+                    let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
+                    let connection = graceful.watch(connection);
+                    tokio::spawn(async move {
+                        if let Err(error) = connection.await {
+                            tracing::debug!(%error, "connection ended with an error");
+                        }
+                    });
                 }
-            });
+                Some(acceptor) => {
+                    // The handshake runs in the connection's own task, bounded
+                    // like a request head, so a slow client stalls nobody.
+                    let (acceptor, builder, watcher) = (acceptor.clone(), builder.clone(), graceful.watcher());
+                    let handshake_timeout = config.server.header_read_timeout;
+                    tokio::spawn(async move {
+                        let stream = match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
+                            Ok(Ok(stream)) => stream,
+                            Ok(Err(error)) => return tracing::debug!(%error, "TLS handshake failed"),
+                            Err(_) => return tracing::debug!("TLS handshake timed out"),
+                        };
+                        let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
+                        if let Err(error) = watcher.watch(connection).await {
+                            tracing::debug!(%error, "connection ended with an error");
+                        }
+                    });
+                }
+            }
         }
 
         drop(listener);

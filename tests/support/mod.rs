@@ -110,6 +110,14 @@ pub struct Upstream {
 impl Upstream {
     /// Answers every request with `behaviour(hit_number, request)`; hits count from 1.
     pub async fn start(behaviour: impl Fn(usize, &Seen) -> Reply + Send + Sync + 'static) -> Upstream {
+        Upstream::start_with(None, behaviour).await
+    }
+
+    /// Like [`Upstream::start`], speaking TLS with `acceptor`'s certificate.
+    pub async fn start_with(
+        tls: Option<tokio_rustls::TlsAcceptor>,
+        behaviour: impl Fn(usize, &Seen) -> Reply + Send + Sync + 'static,
+    ) -> Upstream {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let hits = Arc::new(AtomicUsize::new(0));
@@ -128,10 +136,16 @@ impl Upstream {
                     let (hits, seen, behaviour) = (hits.clone(), seen.clone(), behaviour.clone());
                     async move { answer(req, &hits, &seen, &behaviour).await }
                 });
+                let tls = tls.clone();
                 tokio::spawn(async move {
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
+                    let http = hyper::server::conn::http1::Builder::new();
+                    let _ = match tls {
+                        None => http.serve_connection(TokioIo::new(stream), service).await,
+                        Some(tls) => match tls.accept(stream).await {
+                            Ok(stream) => http.serve_connection(TokioIo::new(stream), service).await,
+                            Err(_) => return,
+                        },
+                    };
                 });
             }
         });
@@ -291,7 +305,7 @@ impl Proxy {
     /// Applies a new configuration (as SIGHUP does), with the basics filled in.
     pub fn reload(&self, upstream: &str, toml: &str) {
         let config = Config::parse(&with_basics(upstream, toml), "reload.toml").unwrap_or_else(|e| panic!("{e}"));
-        self.reloader.apply(config);
+        self.reloader.apply(config).unwrap();
     }
 
     /// Stops accepting and waits for the drain to finish.
