@@ -32,6 +32,28 @@ enum Command {
         #[arg(long, short, value_name = "FILE")]
         config: PathBuf,
     },
+    /// Look up (or purge) one record through the running proxy's admin listener.
+    Record {
+        #[arg(long, short, value_name = "FILE")]
+        config: PathBuf,
+        /// The route's name.
+        #[arg(long)]
+        route: String,
+        /// The idempotency key, as the client sent it (or the derived hex key).
+        #[arg(long)]
+        key: String,
+        /// The value of each of the route's scope headers, in order.
+        #[arg(long)]
+        scope: Vec<String>,
+        /// Remove the record (a stuck claim, a poisoned answer).
+        #[arg(long)]
+        purge: bool,
+    },
+    /// Exit 0 if the running proxy's admin listener answers /healthz.
+    Health {
+        #[arg(long, short, value_name = "FILE")]
+        config: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -39,6 +61,14 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Some(Command::Check { config }) => check(&config),
         Some(Command::Serve { config }) => serve(&config),
+        Some(Command::Record {
+            config,
+            route,
+            key,
+            scope,
+            purge,
+        }) => record(&config, &route, &key, &scope, purge),
+        Some(Command::Health { config }) => health(&config),
         None => match cli.config {
             Some(config) => serve(&config),
             None => Err(anyhow::anyhow!("missing --config FILE (see --help)")),
@@ -58,6 +88,42 @@ fn check(path: &Path) -> anyhow::Result<()> {
     print!("{}", idemgate::config::describe(&config));
     println!("{}: ok", path.display());
     Ok(())
+}
+
+/// Calls the admin listener `config` names; prints the answer.
+fn admin(path: &Path, method: http::Method, path_and_query: &str) -> anyhow::Result<()> {
+    let config = Config::load(path)?;
+    let addr = config
+        .server
+        .admin_listen
+        .context("server.admin_listen is disabled in this configuration")?;
+    let token = config.server.admin_token.clone();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (status, body) = runtime
+        .block_on(idemgate::server::admin::call(
+            addr,
+            method,
+            path_and_query,
+            token.as_deref(),
+        ))
+        .with_context(|| format!("cannot reach the admin listener at {addr}"))?;
+    print!("{body}");
+    anyhow::ensure!(status.is_success(), "{status}");
+    Ok(())
+}
+
+fn record(path: &Path, route: &str, key: &str, scope: &[String], purge: bool) -> anyhow::Result<()> {
+    let mut query = form_urlencoded::Serializer::new(String::new());
+    query.append_pair("route", route).append_pair("key", key);
+    for value in scope {
+        query.append_pair("scope", value);
+    }
+    let method = if purge { http::Method::DELETE } else { http::Method::GET };
+    admin(path, method, &format!("/records?{}", query.finish()))
+}
+
+fn health(path: &Path) -> anyhow::Result<()> {
+    admin(path, http::Method::GET, "/healthz")
 }
 
 fn serve(path: &Path) -> anyhow::Result<()> {

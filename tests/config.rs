@@ -29,6 +29,7 @@ fn the_example_parses_and_mentions_every_option() {
     let options = [
         "listen",
         "admin_listen",
+        "admin_token",
         "tls",
         "max_request_body",
         "header_read_timeout",

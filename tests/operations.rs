@@ -205,3 +205,124 @@ async fn shutdown_drains_requests_and_exchanges_whose_clients_left() {
         );
     }
 }
+
+#[tokio::test]
+async fn operators_look_up_and_purge_records_behind_a_token() {
+    let _ = captured();
+    let upstream = Upstream::start(|hit, seen| {
+        if seen.uri.contains("stuck") {
+            Reply::created(hit).delayed(Duration::from_secs(30))
+        } else {
+            Reply::created(hit)
+        }
+    })
+    .await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        "[server]\nadmin_token = \"s3cret\"\n[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n",
+    )
+    .await;
+    let client = TestClient::default();
+    let admin = format!(
+        "http://{}/records?route=orders&key=k1&scope=Bearer%20alice",
+        proxy.admin.unwrap()
+    );
+    let auth = [("authorization", "Bearer s3cret")];
+    client
+        .send(
+            "POST",
+            &proxy.url("/v1/orders"),
+            &[("idempotency-key", "k1"), ("authorization", "Bearer alice")],
+            "",
+        )
+        .await;
+
+    assert_eq!(
+        client.send("GET", &admin, &[], "").await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    let wrong = client
+        .send("GET", &admin, &[("authorization", "Bearer s3creT")], "")
+        .await;
+    assert_eq!(wrong.status, StatusCode::UNAUTHORIZED);
+    let found = client.send("GET", &admin, &auth, "").await;
+    assert_eq!(found.status, StatusCode::OK, "{}", found.text());
+    let doc: serde_json::Value = serde_json::from_slice(&found.body).unwrap();
+    assert_eq!(doc["state"], "completed");
+    assert_eq!(doc["status"], 201);
+    assert_eq!(doc["body_bytes"], 11);
+    assert!(!found.text().contains("\"order\":1"), "the stored body is never shown");
+    let other_scope = admin.replace("alice", "bob");
+    assert_eq!(
+        client.send("GET", &other_scope, &auth, "").await.status,
+        StatusCode::NOT_FOUND
+    );
+
+    assert_eq!(client.send("DELETE", &admin, &auth, "").await.status, StatusCode::OK);
+    assert_eq!(
+        client.send("GET", &admin, &auth, "").await.status,
+        StatusCode::NOT_FOUND
+    );
+    let again = client
+        .send(
+            "POST",
+            &proxy.url("/v1/orders"),
+            &[("idempotency-key", "k1"), ("authorization", "Bearer alice")],
+            "",
+        )
+        .await;
+    assert!(!again.replayed(), "purged: the next request runs again");
+
+    // A stuck claim, purged, frees the key at once.
+    tokio::spawn({
+        let (client, url) = (client.clone(), proxy.url("/v1/orders?stuck"));
+        async move { client.send("POST", &url, &[("idempotency-key", "stuck")], "").await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let stuck = format!("http://{}/records?route=orders&key=stuck", proxy.admin.unwrap());
+    let doc: serde_json::Value = serde_json::from_slice(&client.send("GET", &stuck, &auth, "").await.body).unwrap();
+    assert_eq!(doc["state"], "in_flight");
+    assert_eq!(client.send("DELETE", &stuck, &auth, "").await.status, StatusCode::OK);
+    let hits = upstream.hits();
+    tokio::spawn({
+        let (client, url) = (client.clone(), proxy.url("/v1/orders?stuck"));
+        async move { client.send("POST", &url, &[("idempotency-key", "stuck")], "").await }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while upstream.hits() == hits {
+        assert!(tokio::time::Instant::now() < deadline, "the purged key was not freed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_record_and_health_subcommands_talk_to_the_running_proxy() {
+    let upstream = Upstream::created().await;
+    let gate = Binary::start(
+        &upstream.url(),
+        "[server]\nadmin_token = \"t0k\"\n[store]\nbackend = \"memory\"\n[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n",
+    )
+    .await;
+    TestClient::default().post(&gate.url("/v1/orders"), "cli", "").await;
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .args(args)
+            .arg("--config")
+            .arg(gate.config_path())
+            .output()
+            .unwrap()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !run(&["health"]).status.success() {
+        assert!(std::time::Instant::now() < deadline, "health never passed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let shown = run(&["record", "--route", "orders", "--key", "cli"]);
+    assert!(shown.status.success(), "{}", String::from_utf8_lossy(&shown.stderr));
+    assert!(String::from_utf8_lossy(&shown.stdout).contains("\"completed\""));
+    let purged = run(&["record", "--route", "orders", "--key", "cli", "--purge"]);
+    assert!(purged.status.success());
+    let gone = run(&["record", "--route", "orders", "--key", "cli"]);
+    assert_eq!(gone.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&gone.stdout).contains("absent"));
+}

@@ -8,7 +8,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 use idemgate::store::{
-    Claim, EmbeddedStore, Fingerprint, MemoryStore, Outcome, Owner, RecordKey, RedisStore, Store, StoredResponse,
+    Claim, EmbeddedStore, Fingerprint, MemoryStore, Outcome, Owner, Record, RecordKey, RedisStore, Store,
+    StoredResponse,
 };
 use tokio::time::Instant;
 
@@ -254,6 +255,37 @@ pub async fn waiting_is_bounded_and_immediate_when_nothing_is_in_flight(store: A
     );
 }
 
+pub async fn operators_inspect_and_purge_any_record(store: Arc<dyn Store>) {
+    let k = key();
+    let owner = Owner::new();
+    assert_eq!(store.inspect(&k).await.unwrap(), None);
+    assert!(!store.purge(&k).await.unwrap());
+    store.claim(&k, &A, owner, LONG, None).await.unwrap();
+    let (record, left) = store.inspect(&k).await.unwrap().unwrap();
+    assert_eq!(record, Record::InFlight { fingerprint: A, owner });
+    assert!(left <= LONG && left > LONG / 2, "{left:?}");
+    assert!(
+        store.purge(&k).await.unwrap(),
+        "a stuck claim is purged whoever holds it"
+    );
+    let successor = Owner::new();
+    assert_eq!(
+        store.claim(&k, &A, successor, LONG, None).await.unwrap(),
+        Claim::Claimed
+    );
+    store.complete(&k, successor, response("done"), LONG).await.unwrap();
+    let (record, _) = store.inspect(&k).await.unwrap().unwrap();
+    assert_eq!(
+        record,
+        Record::Completed {
+            fingerprint: A,
+            outcome: response("done")
+        }
+    );
+    assert!(store.purge(&k).await.unwrap());
+    assert_eq!(store.inspect(&k).await.unwrap(), None);
+}
+
 macro_rules! contract {
     ($backend:ident, $make:expr) => {
         mod $backend {
@@ -280,6 +312,7 @@ macro_rules! contract {
             case!(renewal_keeps_a_claim_past_its_first_lease);
             case!(waiters_wake_on_completion_and_release);
             case!(waiting_is_bounded_and_immediate_when_nothing_is_in_flight);
+            case!(operators_inspect_and_purge_any_record);
         }
     };
 }

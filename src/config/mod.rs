@@ -31,6 +31,8 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// `None` when `admin_listen = ""`.
     pub admin_listen: Option<SocketAddr>,
+    /// Bearer token required by the admin `/records` endpoint, if set.
+    pub admin_token: Option<String>,
     pub tls: Option<TlsConfig>,
     pub max_request_body: u64,
     pub header_read_timeout: Duration,

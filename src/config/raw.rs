@@ -28,6 +28,7 @@ pub struct RawConfig {
 pub struct RawServer {
     pub listen: Option<String>,
     pub admin_listen: Option<String>,
+    pub admin_token: Option<String>,
     pub tls: Option<RawTls>,
     pub max_request_body: Option<RawSize>,
     pub header_read_timeout: Option<String>,

@@ -345,6 +345,13 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
                 }
             },
         ),
+        admin_token: c.field("server.admin_token", s.admin_token.as_ref(), None, |t| {
+            if t.trim().is_empty() || !t.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+                Err("must be non-empty visible ASCII (or left out to need no token)".to_string())
+            } else {
+                Ok(Some(t.clone()))
+            }
+        }),
         tls: s.tls.as_ref().map(|t| TlsConfig {
             cert: PathBuf::from(&t.cert),
             key: PathBuf::from(&t.key),

@@ -122,17 +122,29 @@ pub fn derive(fields: &[DeriveField], source: &KeySource<'_>) -> Result<String, 
 /// The record key: SHA-256 over the scope headers' values and the key,
 /// each length-prefixed so no two different inputs run together.
 pub fn record_key(scope: &[http::HeaderName], headers: &HeaderMap, key: &str) -> RecordKey {
+    let values = scope
+        .iter()
+        .map(|name| headers.get_all(name).iter().map(|v| v.as_bytes()));
+    record_key_of(values, key)
+}
+
+/// The record key from the values of each scope header, in scope order
+/// (an empty list: the header was absent).
+pub fn record_key_of<'a, V>(scope: impl Iterator<Item = V>, key: &str) -> RecordKey
+where
+    V: Iterator<Item = &'a [u8]>,
+{
     let mut hasher = Sha256::new();
     hasher.update(b"idemgate-record-v1");
-    for name in scope {
-        let mut values = headers.get_all(name).iter().peekable();
+    for values in scope {
+        let mut values = values.peekable();
         if values.peek().is_none() {
             hasher.update([0u8]);
         }
         for value in values {
             hasher.update([1u8]);
             hasher.update((value.len() as u64).to_be_bytes());
-            hasher.update(value.as_bytes());
+            hasher.update(value);
         }
         hasher.update([2u8]);
     }

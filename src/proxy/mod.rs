@@ -114,6 +114,15 @@ impl Gateway {
         &self.store
     }
 
+    /// Where route `route` keeps the record of `key` sent with these scope
+    /// header values (in the order of the route's `scope`; missing ones are
+    /// absent headers). `None` when there is no such route.
+    pub fn record_key(&self, route: &str, scope: &[String], key: &str) -> Option<crate::store::RecordKey> {
+        let live = self.routes.iter().find(|live| live.route.name == route)?;
+        let values = (0..live.policy.scope.len()).map(|i| scope.get(i).map(|v| v.as_bytes()).into_iter());
+        Some(key::record_key_of(values, key))
+    }
+
     /// Answers one client request. Never fails: every error is a response.
     ///
     /// Runs in a `request` span with the route, the outcome and a short hash

@@ -1,5 +1,8 @@
 //! The admin listener: `GET /healthz` (process alive), `GET /readyz` (store
-//! reachable), `GET /metrics` (Prometheus text).
+//! reachable), `GET /metrics` (Prometheus text), and `GET` / `DELETE`
+//! `/records?route=R&key=K[&scope=V...]` to look up or purge one record
+//! (behind `server.admin_token` when set). A record is shown by its state,
+//! time left, status and body size: never its body or headers.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -17,6 +20,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::proxy::{Gateway, ResponseBody};
+use crate::store::{Outcome, Record};
 use crate::telemetry::Metrics;
 
 pub async fn serve(
@@ -53,8 +57,12 @@ fn text(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) 
     response
 }
 
+const PLAIN: &str = "text/plain; charset=utf-8";
+
 async fn answer(request: Request<Incoming>, gateway: &Gateway, metrics: &Metrics) -> Response<ResponseBody> {
-    const PLAIN: &str = "text/plain; charset=utf-8";
+    if request.uri().path() == "/records" {
+        return records(&request, gateway).await;
+    }
     if request.method() != Method::GET && request.method() != Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, PLAIN, "GET only\n");
     }
@@ -79,4 +87,130 @@ async fn answer(request: Request<Incoming>, gateway: &Gateway, metrics: &Metrics
             "not found: try /healthz, /readyz or /metrics\n",
         ),
     }
+}
+
+fn json(status: StatusCode, value: serde_json::Value) -> Response<ResponseBody> {
+    text(status, "application/json", format!("{value}\n"))
+}
+
+/// `GET` (look up) or `DELETE` (purge) `/records?route=R&key=K&scope=V...`.
+async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<ResponseBody> {
+    if let Some(token) = &gateway.config().server.admin_token {
+        let expected = format!("Bearer {token}");
+        let given = request
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .map_or(&[][..], |v| v.as_bytes());
+        // Compared without an early exit, so timing tells nothing of the token.
+        let same = given.len() == expected.len()
+            && given
+                .iter()
+                .zip(expected.as_bytes())
+                .fold(0, |acc, (a, b)| acc | (a ^ b))
+                == 0;
+        if !same {
+            return text(StatusCode::UNAUTHORIZED, PLAIN, "a bearer token is required\n");
+        }
+    }
+    let (mut route, mut key, mut scope) = (None, None, Vec::new());
+    for (name, value) in form_urlencoded::parse(request.uri().query().unwrap_or("").as_bytes()) {
+        match &*name {
+            "route" => route = Some(value.into_owned()),
+            "key" => key = Some(value.into_owned()),
+            "scope" => scope.push(value.into_owned()),
+            _ => {}
+        }
+    }
+    let (Some(route), Some(key)) = (route, key) else {
+        return text(
+            StatusCode::BAD_REQUEST,
+            PLAIN,
+            "give route= and key= (and scope= per scope header)\n",
+        );
+    };
+    let Some(record_key) = gateway.record_key(&route, &scope, &key) else {
+        return text(StatusCode::NOT_FOUND, PLAIN, "no such route\n");
+    };
+    let store = gateway.store();
+    match *request.method() {
+        Method::GET => match store.inspect(&record_key).await {
+            Ok(None) => json(
+                StatusCode::NOT_FOUND,
+                serde_json::json!({ "record": record_key.tag(), "state": "absent" }),
+            ),
+            Ok(Some((record, left))) => {
+                let (state, status, body) = match &record {
+                    Record::InFlight { .. } => ("in_flight", None, None),
+                    Record::Completed { outcome, .. } => match outcome {
+                        Outcome::Response(r) => ("completed", Some(r.status.as_u16()), Some(r.body.len())),
+                        Outcome::NotReplayable => ("not_replayable", None, None),
+                        Outcome::Unknown => ("outcome_unknown", None, None),
+                    },
+                };
+                json(
+                    StatusCode::OK,
+                    serde_json::json!({
+                        "route": route,
+                        "record": record_key.tag(),
+                        "state": state,
+                        "expires_in_ms": left.as_millis() as u64,
+                        "status": status,
+                        "body_bytes": body,
+                    }),
+                )
+            }
+            Err(error) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                PLAIN,
+                format!("store unavailable: {error}\n"),
+            ),
+        },
+        Method::DELETE => match store.purge(&record_key).await {
+            Ok(purged) => {
+                if purged {
+                    tracing::info!(route = %route, key = %record_key.tag(), "record purged by an operator");
+                }
+                let status = if purged { StatusCode::OK } else { StatusCode::NOT_FOUND };
+                json(
+                    status,
+                    serde_json::json!({ "record": record_key.tag(), "purged": purged }),
+                )
+            }
+            Err(error) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                PLAIN,
+                format!("store unavailable: {error}\n"),
+            ),
+        },
+        _ => text(StatusCode::METHOD_NOT_ALLOWED, PLAIN, "GET or DELETE\n"),
+    }
+}
+
+/// A request to an admin listener, for the command line: the status and body.
+pub async fn call(
+    addr: std::net::SocketAddr,
+    method: Method,
+    path_and_query: &str,
+    token: Option<&str>,
+) -> Result<(StatusCode, String), hyper_util::client::legacy::Error> {
+    use http_body_util::BodyExt;
+    let client: hyper_util::client::legacy::Client<_, http_body_util::Empty<Bytes>> =
+        hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http();
+    let mut request = Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path_and_query}"));
+    if let Some(token) = token {
+        request = request.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    let response = client
+        .request(request.body(http_body_util::Empty::new()).expect("a valid request"))
+        .await?;
+    let status = response.status();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
 }

@@ -1,7 +1,7 @@
 //! The listeners: the proxy's accept loop (HTTP/1.1 and h2c through
 //! hyper-util's auto builder), the admin listener, and graceful shutdown.
 
-mod admin;
+pub mod admin;
 pub mod tls;
 
 use std::convert::Infallible;

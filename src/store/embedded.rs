@@ -25,7 +25,7 @@ use tokio::sync::oneshot;
 
 use super::codec::{self, Decoded};
 use super::waiters::Waiters;
-use super::{Claim, Fingerprint, Outcome, Owner, RecordKey, Store, StoreError};
+use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError};
 
 /// Record key -> deadline (ms since the epoch, big-endian) ++ encoded record.
 const RECORDS: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("records");
@@ -79,6 +79,10 @@ enum Op {
         key: RecordKey,
         owner: Owner,
         lease: u64,
+        reply: oneshot::Sender<Result<bool, StoreError>>,
+    },
+    Purge {
+        key: RecordKey,
         reply: oneshot::Sender<Result<bool, StoreError>>,
     },
 }
@@ -242,6 +246,22 @@ impl Store for EmbeddedStore {
     async fn ping(&self) -> Result<(), StoreError> {
         self.db.begin_read().map(drop).map_err(unavailable)
     }
+
+    async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
+        let now = now_ms();
+        match self.read(key)? {
+            Some(stored) if stored.deadline > now => Ok(Some((
+                codec::decode(stored.record)?,
+                Duration::from_millis(stored.deadline - now),
+            ))),
+            _ => Ok(None),
+        }
+    }
+
+    async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        let key = *key;
+        self.send(|reply| Op::Purge { key, reply }).await
+    }
 }
 
 /// The thread that owns every write.
@@ -398,6 +418,13 @@ impl Tables<'_, '_> {
                 let result = self.owned(&key, owner).and_then(|held| match held {
                     None => Ok(false),
                     Some(_) => self.records.remove(&key.0).map(|_| true).map_err(unavailable),
+                });
+                Pending::Flag(reply, result, Some(key))
+            }
+            Op::Purge { key, reply } => {
+                let result = self.live(&key).and_then(|found| {
+                    self.records.remove(&key.0).map_err(unavailable)?;
+                    Ok(found.is_some())
                 });
                 Pending::Flag(reply, result, Some(key))
             }

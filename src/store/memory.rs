@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Claim, Fingerprint, Outcome, Owner, RecordKey, Store, StoreError};
+use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError};
 
 const SHARDS: usize = 16;
 /// Bytes a record costs besides its response.
@@ -283,6 +283,28 @@ impl Store for MemoryStore {
 
     fn stored_bytes(&self) -> Option<usize> {
         Some(MemoryStore::stored_bytes(self))
+    }
+
+    async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
+        let now = Instant::now();
+        let mut shard = self.shard(key);
+        Ok(shard.live(key, now).map(|entry| {
+            let record = match &entry.state {
+                State::InFlight { owner, .. } => Record::InFlight {
+                    fingerprint: entry.fingerprint,
+                    owner: *owner,
+                },
+                State::Done { outcome, .. } => Record::Completed {
+                    fingerprint: entry.fingerprint,
+                    outcome: outcome.clone(),
+                },
+            };
+            (record, entry.deadline.0 - now)
+        }))
+    }
+
+    async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        Ok(self.shard(key).remove(key).is_some())
     }
 }
 

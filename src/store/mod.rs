@@ -98,6 +98,9 @@ pub enum Outcome {
     Unknown,
 }
 
+/// A record as stored: in flight, or completed.
+pub use codec::Decoded as Record;
+
 /// What a claim found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Claim {
@@ -160,6 +163,13 @@ pub trait Store: Send + Sync + 'static {
 
     /// Whether the store answers.
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// The record under `key` and its time left, for operators.
+    async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError>;
+
+    /// Removes the record under `key`, whoever holds it (an operator's
+    /// purge of a stuck claim), and wakes its waiters.
+    async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError>;
 
     /// Bytes of records held in this process, for stores that hold them.
     fn stored_bytes(&self) -> Option<usize> {
@@ -241,6 +251,14 @@ impl StoreHandle {
 
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.deadline(self.store.ping()).await
+    }
+
+    pub async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
+        self.deadline(self.store.inspect(key)).await
+    }
+
+    pub async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        self.deadline(self.store.purge(key)).await
     }
 
     pub fn stored_bytes(&self) -> Option<usize> {

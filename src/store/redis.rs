@@ -27,7 +27,7 @@ use tokio::sync::OnceCell;
 
 use super::codec::{self, Decoded};
 use super::waiters::Waiters;
-use super::{Claim, Fingerprint, Outcome, Owner, RecordKey, Store, StoreError};
+use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError};
 
 /// Completions and releases are announced here, payload the record's key.
 const CHANNEL: &str = "idemgate:done";
@@ -74,12 +74,19 @@ if not v then return false end
 return {v, redis.call('PTTL', KEYS[1])}
 ";
 
+const PURGE: &str = r"
+local n = redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[1], KEYS[1])
+return n
+";
+
 struct Scripts {
     claim: Script,
     complete: Script,
     release: Script,
     renew: Script,
     peek: Script,
+    purge: Script,
 }
 
 impl Scripts {
@@ -90,6 +97,7 @@ impl Scripts {
             release: Script::new(&format!("{OWNED}{RELEASE}")),
             renew: Script::new(&format!("{OWNED}{RENEW}")),
             peek: Script::new(PEEK),
+            purge: Script::new(PURGE),
         }
     }
 }
@@ -293,6 +301,25 @@ impl Store for RedisStore {
         let until = timeout.min(recheck).min(Duration::from_millis(pttl.max(1) as u64));
         let _ = tokio::time::timeout(until, notified).await;
         Ok(())
+    }
+
+    async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
+        let found: Option<(Vec<u8>, i64)> = self.invoke(&self.scripts.peek.key(redis_key(key))).await?;
+        found
+            .map(|(record, pttl)| {
+                Ok((
+                    codec::decode(Bytes::from(record))?,
+                    Duration::from_millis(pttl.max(0) as u64),
+                ))
+            })
+            .transpose()
+    }
+
+    async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        let mut invocation = self.scripts.purge.key(redis_key(key));
+        invocation.arg(CHANNEL);
+        let removed: i64 = self.invoke(&invocation).await?;
+        Ok(removed == 1)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -416,6 +416,7 @@ impl TestClient {
 /// The real `idemgate` binary as a child process, for crash tests.
 pub struct Binary {
     pub addr: SocketAddr,
+    pub admin: SocketAddr,
     child: std::process::Child,
     _config: tempfile::NamedTempFile,
 }
@@ -423,13 +424,19 @@ pub struct Binary {
 impl Binary {
     /// Runs `idemgate --config` with `toml` (listen port filled in) in front of `upstream`.
     pub async fn start(upstream: &str, toml: &str) -> Binary {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let free = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        };
+        let (port, admin_port) = (free(), free());
         let text = with_basics(upstream, toml)
-            .replace("admin_listen = \"127.0.0.1:0\"", "admin_listen = \"\"")
+            .replace(
+                "admin_listen = \"127.0.0.1:0\"",
+                &format!("admin_listen = \"127.0.0.1:{admin_port}\""),
+            )
             .replace("listen = \"127.0.0.1:0\"", &format!("listen = \"127.0.0.1:{port}\""));
         let mut config = tempfile::NamedTempFile::new().unwrap();
         std::io::Write::write_all(&mut config, text.as_bytes()).unwrap();
@@ -448,6 +455,7 @@ impl Binary {
         }
         Binary {
             addr,
+            admin: format!("127.0.0.1:{admin_port}").parse().unwrap(),
             child,
             _config: config,
         }
