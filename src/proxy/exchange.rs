@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
-use http::{HeaderMap, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tokio::sync::{mpsc, oneshot};
@@ -193,10 +193,13 @@ impl Recorder {
         }
     }
 
+    /// The body in a buffer of its own. The chunks are slices of the
+    /// connection's read buffer: keeping one would pin the whole buffer
+    /// (kilobytes for an answer of a few bytes) for as long as the record.
     fn body(self) -> Bytes {
         match self.chunks.len() {
             0 => Bytes::new(),
-            1 => self.chunks.into_iter().next().expect("one chunk"),
+            1 => Bytes::copy_from_slice(&self.chunks[0]),
             _ => {
                 let mut body = BytesMut::with_capacity(self.len);
                 for chunk in self.chunks {
@@ -426,10 +429,15 @@ async fn settle(
     let outcome = if recorder.over_limit {
         Outcome::NotReplayable
     } else {
+        // Copied out of the read buffer, like the body.
         let headers = headers
             .iter()
             .filter(|(name, _)| !policy.replay_drop_headers.contains(name))
-            .map(|(name, value)| (name.clone(), value.clone()))
+            .map(|(name, value)| {
+                let mut copy = HeaderValue::from_bytes(value.as_bytes()).expect("a header value stays valid");
+                copy.set_sensitive(value.is_sensitive());
+                (name.clone(), copy)
+            })
             .collect();
         Outcome::Response(Arc::new(StoredResponse {
             status,

@@ -15,7 +15,7 @@ use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreE
 
 const SHARDS: usize = 16;
 /// Bytes a record costs besides its response.
-const OVERHEAD: usize = 160;
+const OVERHEAD: usize = 512;
 
 pub struct MemoryStore {
     shared: Arc<Shared>,

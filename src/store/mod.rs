@@ -82,7 +82,7 @@ pub struct StoredResponse {
 impl StoredResponse {
     /// Approximate bytes the record occupies, for memory accounting.
     pub fn size(&self) -> usize {
-        let headers: usize = self.headers.iter().map(|(n, v)| n.as_str().len() + v.len() + 32).sum();
+        let headers: usize = self.headers.iter().map(|(n, v)| n.as_str().len() + v.len() + 64).sum();
         self.body.len() + headers + 64
     }
 }
