@@ -6,8 +6,12 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use std::sync::Arc;
+
 use idemgate::config::Config;
-use idemgate::server::Server;
+use idemgate::server::{self, Reloader, Server};
+use idemgate::store::StoreHandle;
+use idemgate::telemetry::Metrics;
 
 /// An idempotency gateway: a reverse proxy that makes POSTs safe to retry.
 #[derive(Parser)]
@@ -126,43 +130,108 @@ fn health(path: &Path) -> anyhow::Result<()> {
     admin(path, http::Method::GET, "/healthz")
 }
 
+/// Runs `server.workers` accept loops, each a single-threaded runtime on a
+/// thread of its own with its own socket on the shared port (SO_REUSEPORT),
+/// like nginx's workers: a request never crosses threads on its way through.
+/// The store, the metrics and the store's background tasks are shared; the
+/// main thread handles signals.
 fn serve(path: &Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     idemgate::telemetry::init();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    server::check(&config)?;
+    let workers = config.server.workers;
+    let listeners = server::bind_listeners(config.server.listen, workers)?;
+    let mut admin = match config.server.admin_listen {
+        Some(addr) => Some(server::bind_listeners(addr, 1)?.remove(0)),
+        None => None,
+    };
+    // Runs the store's background tasks (expiry sweeps, Redis subscriptions)
+    // and the signal handling.
+    let background = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("idemgate-background")
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    runtime.block_on(async {
-        let server = Server::bind(config).await?;
-        reload_on_sighup(path.to_path_buf(), server.reloader())?;
-        server.run(shutdown_signal()).await;
-        Ok(())
-    })
+    let store = {
+        let _entered = background.enter();
+        StoreHandle::open(&config.store)?
+    };
+    let metrics = Arc::new(Metrics::default());
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut threads = Vec::with_capacity(workers);
+    let mut reloaders = Vec::with_capacity(workers);
+    for (index, listener) in listeners.into_iter().enumerate() {
+        let (config, store, metrics, admin) = (config.clone(), store.clone(), metrics.clone(), admin.take());
+        let mut stopped = stopped.clone();
+        let (ready, started) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("idemgate-worker-{index}"))
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(runtime) => runtime,
+                    Err(error) => return drop(ready.send(Err(anyhow::Error::new(error)))),
+                };
+                runtime.block_on(async move {
+                    let server = match Server::from_listeners(config, store, metrics, listener, admin) {
+                        Ok(server) => server,
+                        Err(error) => return drop(ready.send(Err(error.into()))),
+                    };
+                    let _ = ready.send(Ok(server.reloader()));
+                    server
+                        .run(async move {
+                            let _ = stopped.wait_for(|stop| *stop).await;
+                        })
+                        .await;
+                });
+            })
+            .context("cannot start a worker thread")?;
+        threads.push(thread);
+        reloaders.push(started.recv().context("a worker thread died while starting")??);
+    }
+    tracing::info!(workers, "idemgate serving");
+    background.block_on(async {
+        reload_on_sighup(path.to_path_buf(), reloaders)?;
+        shutdown_signal().await;
+        anyhow::Ok(())
+    })?;
+    let _ = stop.send(true);
+    for thread in threads {
+        let _ = thread.join();
+    }
+    Ok(())
 }
 
-/// SIGHUP re-reads the file; an invalid one is logged and the running
-/// configuration kept.
-fn reload_on_sighup(path: PathBuf, reloader: idemgate::server::Reloader) -> anyhow::Result<()> {
+/// SIGHUP re-reads the file and applies it to every worker; an invalid one
+/// is logged and the running configuration kept.
+fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>) -> anyhow::Result<()> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
         let mut hangups = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
         tokio::spawn(async move {
             while hangups.recv().await.is_some() {
-                match Config::load(&path) {
-                    Ok(config) => {
-                        if let Err(error) = reloader.apply(config) {
-                            tracing::error!("reload refused, the running configuration stays: {error}");
-                        }
+                let config = match Config::load(&path) {
+                    Ok(config) => config,
+                    Err(error) => {
+                        tracing::error!("reload refused, the running configuration stays: {error}");
+                        continue;
                     }
-                    Err(error) => tracing::error!("reload refused, the running configuration stays: {error}"),
+                };
+                if let Err(error) = server::check(&config) {
+                    tracing::error!("reload refused, the running configuration stays: {error:#}");
+                    continue;
+                }
+                for reloader in &reloaders {
+                    if let Err(error) = reloader.apply(config.clone()) {
+                        tracing::error!("reload refused by a worker: {error}");
+                    }
                 }
             }
         });
     }
     #[cfg(not(unix))]
-    let _ = (path, reloader);
+    let _ = (path, reloaders);
     Ok(())
 }
 

@@ -37,6 +37,9 @@ pub struct ServerConfig {
     pub max_request_body: u64,
     pub header_read_timeout: Duration,
     pub shutdown_grace: Duration,
+    /// Accept loops, each a single-threaded runtime on a thread of its own
+    /// sharing the port (SO_REUSEPORT). Default: one per core.
+    pub workers: usize,
 }
 
 #[derive(Debug, Clone)]

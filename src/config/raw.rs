@@ -33,6 +33,7 @@ pub struct RawServer {
     pub max_request_body: Option<RawSize>,
     pub header_read_timeout: Option<String>,
     pub shutdown_grace: Option<String>,
+    pub workers: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]

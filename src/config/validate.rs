@@ -367,6 +367,15 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             s.shutdown_grace.as_ref(),
             Duration::from_secs(30),
         ),
+        workers: c.field(
+            "server.workers",
+            s.workers.as_ref(),
+            std::thread::available_parallelism().map_or(1, |n| n.get()),
+            |n| match *n {
+                1..=1024 => Ok(*n as usize),
+                _ => Err("must be from 1 to 1024".to_string()),
+            },
+        ),
     };
 
     let u = &raw.upstream;

@@ -36,6 +36,16 @@ pub enum ServerError {
     Tls(#[from] tls::TlsError),
 }
 
+/// Checks what a configuration needs from files (certificates, CA roots),
+/// so a bad one fails before any port is bound.
+pub fn check(config: &Config) -> Result<(), ServerError> {
+    if let Some(server_tls) = &config.server.tls {
+        tls::acceptor(server_tls)?;
+    }
+    tls::client_config(config.upstream.ca.as_deref())?;
+    Ok(())
+}
+
 /// A bound, ready-to-run idemgate.
 pub struct Server {
     listener: TcpListener,
@@ -85,10 +95,40 @@ impl Reloader {
     }
 }
 
-async fn bind(addr: SocketAddr) -> Result<TcpListener, ServerError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| ServerError::Bind { addr, source })
+/// Binds `addr` once per accept loop: `count` sockets sharing the port with
+/// SO_REUSEPORT (the kernel spreads connections across them), or one plain
+/// socket. With port 0, every socket gets the port the first one got.
+pub fn bind_listeners(addr: SocketAddr, count: usize) -> Result<Vec<std::net::TcpListener>, ServerError> {
+    use socket2::{Domain, Socket, Type};
+    let mut addr = addr;
+    let mut listeners = Vec::with_capacity(count);
+    for _ in 0..count.max(1) {
+        let bound = (|| {
+            let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+            socket.set_reuse_address(true)?;
+            if count > 1 {
+                socket.set_reuse_port(true)?;
+            }
+            socket.set_nonblocking(true)?;
+            socket.bind(&addr.into())?;
+            socket.listen(4096)?;
+            Ok::<_, std::io::Error>(std::net::TcpListener::from(socket))
+        })()
+        .map_err(|source| ServerError::Bind { addr, source })?;
+        addr = bound
+            .local_addr()
+            .map_err(|source| ServerError::Bind { addr, source })?;
+        listeners.push(bound);
+    }
+    Ok(listeners)
+}
+
+fn listener(std: std::net::TcpListener) -> Result<TcpListener, ServerError> {
+    let addr = std.local_addr().map_err(|source| ServerError::Bind {
+        addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+        source,
+    })?;
+    TcpListener::from_std(std).map_err(|source| ServerError::Bind { addr, source })
 }
 
 impl Server {
@@ -98,22 +138,35 @@ impl Server {
         Server::bind_with_store(config, store).await
     }
 
-    /// Binds the listeners around an already opened store.
+    /// Binds the listeners around an already opened store: one accept loop
+    /// on the current runtime.
     pub async fn bind_with_store(config: Config, store: StoreHandle) -> Result<Server, ServerError> {
         // Everything that can fail on a bad file fails before any port is bound.
-        let tls = config.server.tls.as_ref().map(tls::acceptor).transpose()?;
-        let metrics = Arc::new(Metrics::default());
-        let exchanges = TaskTracker::new();
-        let gateway = Gateway::new(Arc::new(config), store, metrics.clone(), exchanges.clone())?;
-        let config = gateway.config().clone();
-        let listener = bind(config.server.listen).await?;
+        check(&config)?;
+        let listen = bind_listeners(config.server.listen, 1)?.remove(0);
         let admin = match config.server.admin_listen {
-            Some(addr) => Some(bind(addr).await?),
+            Some(addr) => Some(bind_listeners(addr, 1)?.remove(0)),
             None => None,
         };
+        Server::from_listeners(config, store, Arc::new(Metrics::default()), listen, admin)
+    }
+
+    /// A server on listeners bound already (see [`bind_listeners`]), for one
+    /// of several accept loops that share `store` and `metrics`. Must be
+    /// called on the runtime that will run it.
+    pub fn from_listeners(
+        config: Config,
+        store: StoreHandle,
+        metrics: Arc<Metrics>,
+        listen: std::net::TcpListener,
+        admin: Option<std::net::TcpListener>,
+    ) -> Result<Server, ServerError> {
+        let tls = config.server.tls.as_ref().map(tls::acceptor).transpose()?;
+        let exchanges = TaskTracker::new();
+        let gateway = Gateway::new(Arc::new(config), store, metrics.clone(), exchanges.clone())?;
         Ok(Server {
-            listener,
-            admin,
+            listener: listener(listen)?,
+            admin: admin.map(listener).transpose()?,
             tls,
             gateway: Arc::new(ArcSwap::from_pointee(gateway)),
             metrics,
