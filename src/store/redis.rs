@@ -13,8 +13,10 @@
 //! local waiters, re-checking the record at least every second in case a
 //! message was lost.
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -102,15 +104,40 @@ impl Scripts {
     }
 }
 
+/// How the store reaches Redis. Each thread (each worker's runtime) gets a
+/// multiplexed connection of its own, made on first use there, so a request
+/// never waits on another thread's connection task. Connections are lazy,
+/// so idemgate starts while Redis is down.
 enum Connection {
-    Single(ConnectionManager),
-    /// Connected on first use, so idemgate starts while the cluster is down.
-    Cluster(Box<LazyCluster>),
+    Single {
+        client: redis::Client,
+        config: ConnectionManagerConfig,
+        managers: PerThread<ConnectionManager>,
+    },
+    Cluster {
+        client: Box<redis::cluster::ClusterClient>,
+        connections: PerThread<Arc<OnceCell<ClusterConnection>>>,
+    },
 }
 
-struct LazyCluster {
-    client: redis::cluster::ClusterClient,
-    connection: OnceCell<ClusterConnection>,
+/// One value per thread.
+struct PerThread<T>(Mutex<HashMap<ThreadId, T>>);
+
+impl<T: Clone> PerThread<T> {
+    fn new() -> PerThread<T> {
+        PerThread(Mutex::new(HashMap::new()))
+    }
+
+    fn get_or(&self, make: impl FnOnce() -> Result<T, RedisError>) -> Result<T, RedisError> {
+        let mut slots = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let id = std::thread::current().id();
+        if let Some(value) = slots.get(&id) {
+            return Ok(value.clone());
+        }
+        let value = make()?;
+        slots.insert(id, value.clone());
+        Ok(value)
+    }
 }
 
 pub struct RedisStore {
@@ -159,8 +186,12 @@ impl RedisStore {
             .set_response_timeout(Some(timeout))
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_millis(500));
-        let manager = client.get_connection_manager_lazy(config).map_err(unavailable)?;
-        Ok(RedisStore::new(Connection::Single(manager), vec![client]))
+        let connection = Connection::Single {
+            client: client.clone(),
+            config,
+            managers: PerThread::new(),
+        };
+        Ok(RedisStore::new(connection, vec![client]))
     }
 
     /// A Redis Cluster, found through any of `urls`.
@@ -177,10 +208,10 @@ impl RedisStore {
             .map(|u| redis::Client::open(u.as_str()))
             .collect::<Result<Vec<_>, _>>()
             .map_err(unavailable)?;
-        let connection = Connection::Cluster(Box::new(LazyCluster {
-            client,
-            connection: OnceCell::new(),
-        }));
+        let connection = Connection::Cluster {
+            client: Box::new(client),
+            connections: PerThread::new(),
+        };
         Ok(RedisStore::new(connection, nodes))
     }
 
@@ -199,11 +230,22 @@ impl RedisStore {
 
     async fn invoke<T: redis::FromRedisValue>(&self, invocation: &ScriptInvocation<'_>) -> Result<T, StoreError> {
         match &self.connection {
-            Connection::Single(manager) => invocation.invoke_async(&mut manager.clone()).await,
-            Connection::Cluster(cluster) => {
-                let connection = cluster
-                    .connection
-                    .get_or_try_init(|| cluster.client.get_async_connection())
+            Connection::Single {
+                client,
+                config,
+                managers,
+            } => {
+                let mut manager = managers
+                    .get_or(|| client.get_connection_manager_lazy(config.clone()))
+                    .map_err(unavailable)?;
+                invocation.invoke_async(&mut manager).await
+            }
+            Connection::Cluster { client, connections } => {
+                let cell = connections
+                    .get_or(|| Ok(Arc::new(OnceCell::new())))
+                    .map_err(unavailable)?;
+                let connection = cell
+                    .get_or_try_init(|| client.get_async_connection())
                     .await
                     .map_err(unavailable)?;
                 invocation.invoke_async(&mut connection.clone()).await
