@@ -110,8 +110,7 @@ impl Scripts {
 /// so idemgate starts while Redis is down.
 enum Connection {
     Single {
-        client: redis::Client,
-        config: ConnectionManagerConfig,
+        client: Box<(redis::Client, ConnectionManagerConfig)>,
         managers: PerThread<ConnectionManager>,
     },
     Cluster {
@@ -187,8 +186,7 @@ impl RedisStore {
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_millis(500));
         let connection = Connection::Single {
-            client: client.clone(),
-            config,
+            client: Box::new((client.clone(), config)),
             managers: PerThread::new(),
         };
         Ok(RedisStore::new(connection, vec![client]))
@@ -230,11 +228,8 @@ impl RedisStore {
 
     async fn invoke<T: redis::FromRedisValue>(&self, invocation: &ScriptInvocation<'_>) -> Result<T, StoreError> {
         match &self.connection {
-            Connection::Single {
-                client,
-                config,
-                managers,
-            } => {
+            Connection::Single { client, managers } => {
+                let (client, config) = &**client;
                 let mut manager = managers
                     .get_or(|| client.get_connection_manager_lazy(config.clone()))
                     .map_err(unavailable)?;
