@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
-use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tokio::sync::{mpsc, oneshot};
@@ -273,7 +273,7 @@ impl Exchange {
         let keep = !(head.status.is_server_error() && policy.on_server_error == OnServerError::Release);
         let mut recorder = Recorder::new(usize::try_from(policy.max_response_body).unwrap_or(usize::MAX));
         let status = head.status;
-        let headers = keep.then(|| head.headers.clone());
+        let headers = keep.then(|| stored_headers(&head.headers, &policy));
 
         // Take the frames that have already arrived. When they are the
         // whole body (the common case for small answers), the record is
@@ -419,7 +419,7 @@ async fn settle(
     guard: ClaimGuard,
     policy: &Policy,
     status: StatusCode,
-    headers: Option<HeaderMap>,
+    headers: Option<Vec<(HeaderName, HeaderValue)>>,
     recorder: Recorder,
 ) {
     let Some(headers) = headers else {
@@ -429,16 +429,6 @@ async fn settle(
     let outcome = if recorder.over_limit {
         Outcome::NotReplayable
     } else {
-        // Copied out of the read buffer, like the body.
-        let headers = headers
-            .iter()
-            .filter(|(name, _)| !policy.replay_drop_headers.contains(name))
-            .map(|(name, value)| {
-                let mut copy = HeaderValue::from_bytes(value.as_bytes()).expect("a header value stays valid");
-                copy.set_sensitive(value.is_sensitive());
-                (name.clone(), copy)
-            })
-            .collect();
         Outcome::Response(Arc::new(StoredResponse {
             status,
             headers,
@@ -446,6 +436,20 @@ async fn settle(
         }))
     };
     guard.complete(outcome, policy.ttl).await;
+}
+
+/// The response headers a record keeps: all but `replay_drop_headers`, each
+/// value copied out of the connection's read buffer, like the body.
+fn stored_headers(headers: &HeaderMap, policy: &Policy) -> Vec<(HeaderName, HeaderValue)> {
+    headers
+        .iter()
+        .filter(|(name, _)| !policy.replay_drop_headers.contains(name))
+        .map(|(name, value)| {
+            let mut copy = HeaderValue::from_bytes(value.as_bytes()).expect("a header value stays valid");
+            copy.set_sensitive(value.is_sensitive());
+            (name.clone(), copy)
+        })
+        .collect()
 }
 
 /// Applies `on_upstream_failure` and names the problem the first client gets.
