@@ -62,6 +62,14 @@ def cpu_seconds(pids):
     return total / CLK_TCK
 
 
+def peak_rss_mib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def children(pid):
     try:
         out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
@@ -204,13 +212,29 @@ def measure(port, pids, script, args):
     return result
 
 
+def one_connection(procs, tmp, backend_port, nginx_port, script, args):
+    """Median p50 over the rounds at one connection: direct, nginx, idemgate."""
+    port = free_port()
+    conf = os.path.join(tmp, "idemgate-latency.toml")
+    with open(conf, "w") as f:
+        f.write(IDEMGATE.format(port=port, backend=backend_port, store="memory", store_extra='max_memory = "64MiB"'))
+    gate = procs.start([BINARY, "--config", conf], env={**os.environ, "RUST_LOG": "warn"})
+    wait_port(port)
+    results = {"direct": [], "nginx": [], "idemgate": []}
+    for _ in range(args.rounds):
+        for name, target in (("direct", backend_port), ("nginx", nginx_port), ("idemgate", port)):
+            results[name].append(wrk(target, script, args.duration, 1, 1)["p50"])
+    procs.stop(gate)
+    return tuple(statistics.median(results[k]) for k in ("direct", "nginx", "idemgate"))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=int, default=10, help="seconds per wrk run")
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="wrk threads")
-    parser.add_argument("--scenarios", default="memory-new,memory-replay,redis-new,embedded-new")
+    parser.add_argument("--scenarios", default="memory-new,memory-replay,redis-new,embedded-new,latency-1conn")
     args = parser.parse_args()
     for tool in ("wrk", "nginx", "redis-server"):
         if not shutil.which(tool):
@@ -239,10 +263,15 @@ def main():
         wait_port(redis_port)
 
         rows = []
+        latency = None
         for scenario in args.scenarios.split(","):
             store, kind = scenario.split("-")
+            if store == "latency":
+                latency = one_connection(procs, tmp, backend_port, nginx_port, scripts["new"], args)
+                continue
             extra = {
-                "memory": 'max_memory = "1GiB"',
+                # Small enough that a run must evict: the store holds its budget.
+                "memory": 'max_memory = "64MiB"',
                 "redis": f'url = "redis://127.0.0.1:{redis_port}/0"',
                 "embedded": f'path = "{tmp}/bench-{time.time_ns()}.redb"',
             }[store]
@@ -262,19 +291,28 @@ def main():
                 ours.append(measure(port, [gate.pid], script, args))
                 print(f"  {scenario}: nginx {theirs[-1]['rps']:.0f} req/s, idemgate {ours[-1]['rps']:.0f} req/s",
                       file=sys.stderr)
+            rss = peak_rss_mib(gate.pid)
             procs.stop(gate)
             med = lambda runs, k: statistics.median(r[k] for r in runs)
-            rows.append((scenario, {k: med(theirs, k) for k in theirs[0]}, {k: med(ours, k) for k in ours[0]}))
+            ours_median = {k: med(ours, k) for k in ours[0]}
+            ours_median["rss"] = rss
+            rows.append((scenario, {k: med(theirs, k) for k in theirs[0]}, ours_median))
 
         print(f"\n{args.rounds} interleaved rounds of {args.duration} s, {args.connections} connections, "
               f"{args.threads} wrk threads, {os.cpu_count()} cores; medians.\n")
         print("| scenario | nginx req/s | idemgate req/s | ratio | nginx p50 / p99 ms | idemgate p50 / p99 ms "
-              "| nginx CPU µs/req | idemgate CPU µs/req | idemgate non-2xx |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| nginx CPU µs/req | idemgate CPU µs/req | idemgate peak RSS MiB | idemgate non-2xx |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for scenario, n, i in rows:
             print(f"| {scenario} | {n['rps']:.0f} | {i['rps']:.0f} | {i['rps'] / n['rps']:.2f}× "
                   f"| {n['p50']:.2f} / {n['p99']:.2f} | {i['p50']:.2f} / {i['p99']:.2f} "
-                  f"| {n['cpu_us']:.1f} | {i['cpu_us']:.1f} | {i['non2xx']:.0f} |")
+                  f"| {n['cpu_us']:.1f} | {i['cpu_us']:.1f} | {i['rss']:.0f} | {i['non2xx']:.0f} |")
+        if latency:
+            direct, through_nginx, through_gate = latency
+            print(f"\nOne connection, new keys, p50 latency: backend direct {direct * 1000:.0f} µs, "
+                  f"through nginx {through_nginx * 1000:.0f} µs (+{(through_nginx - direct) * 1000:.0f}), "
+                  f"through idemgate (memory store) {through_gate * 1000:.0f} µs "
+                  f"(+{(through_gate - direct) * 1000:.0f}).")
     finally:
         procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
