@@ -1,6 +1,6 @@
 //! A sample non-idempotent "legacy API" to try idemgate against.
 //!
-//!     cargo run --example legacy-api            # listens on 127.0.0.1:3000
+//!     cargo run --release --example legacy-api   # listens on 127.0.0.1:3000
 //!
 //! - `POST /v1/orders` creates a new order every time it is called (201),
 //!   after `?delay_ms=N` milliseconds if asked, so a lost answer is easy to
