@@ -34,6 +34,7 @@ fn the_example_parses_and_mentions_every_option() {
         "max_request_body",
         "header_read_timeout",
         "shutdown_grace",
+        "workers",
         "url",
         "connect_timeout",
         "timeout",
