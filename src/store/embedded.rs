@@ -456,12 +456,8 @@ impl Tables<'_, '_> {
         refresh: Option<u64>,
     ) -> Result<Claim, StoreError> {
         if let Some(stored) = self.live(key)? {
-            let deadline = stored.deadline;
             return Ok(match codec::decode(stored.record.clone())? {
-                Decoded::InFlight { fingerprint: found, .. } => Claim::InFlight {
-                    fingerprint: found,
-                    lease_left: Duration::from_millis(deadline - self.now),
-                },
+                Decoded::InFlight { fingerprint: found, .. } => Claim::InFlight { fingerprint: found },
                 Decoded::Completed {
                     fingerprint: found,
                     outcome,

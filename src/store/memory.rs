@@ -171,10 +171,7 @@ impl Store for MemoryStore {
         if let Some(entry) = shard.live(key, now) {
             let found = entry.fingerprint;
             return Ok(match &entry.state {
-                State::InFlight { .. } => Claim::InFlight {
-                    fingerprint: found,
-                    lease_left: entry.deadline.0 - now,
-                },
+                State::InFlight { .. } => Claim::InFlight { fingerprint: found },
                 State::Done { outcome, .. } => {
                     let outcome = outcome.clone();
                     if let Some(ttl) = refresh_ttl.filter(|_| found == *fingerprint) {

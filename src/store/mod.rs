@@ -107,10 +107,7 @@ pub enum Claim {
     /// The key is ours: forward the request.
     Claimed,
     /// Another request holds the key.
-    InFlight {
-        fingerprint: Fingerprint,
-        lease_left: Duration,
-    },
+    InFlight { fingerprint: Fingerprint },
     /// The key has a completed record.
     Completed { fingerprint: Fingerprint, outcome: Outcome },
 }

@@ -5,10 +5,10 @@
 //! record and everything the scripts touch live in one slot. The value is
 //! the [`codec`] record; Redis's own `PX` expiry is the lease or the TTL.
 //!
-//! Every operation is one round trip: a Lua script (`EVALSHA`, cached by
-//! SHA) that claims (`GET`, then `SET ... PX` when absent, `PEXPIRE` when a
-//! replay refreshes), or checks the owner token before it completes,
-//! releases or renews. Completion and release `PUBLISH` the record key on
+//! Every operation is one round trip. A claim is `SET ... NX PX ... GET`
+//! (Redis 7), or, when a replay must refresh the TTL in the same step or
+//! the server is older, a Lua script (`EVALSHA`, cached by SHA). Completion,
+//! release and renewal are scripts that check the owner token first. Completion and release `PUBLISH` the record key on
 //! one channel; each process keeps one subscription to it and wakes its
 //! local waiters, re-checking the record at least every second in case a
 //! message was lost.
@@ -45,7 +45,7 @@ end
 if ARGV[3] ~= '0' and string.byte(v, 2) ~= 0 and string.sub(v, 3, 34) == string.sub(ARGV[1], 3, 34) then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
 end
-return {v, redis.call('PTTL', KEYS[1])}
+return {v, 0}
 ";
 
 const OWNED: &str = r"
@@ -119,6 +119,40 @@ enum Connection {
     },
 }
 
+/// A connection of either kind, usable wherever redis takes one.
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
 /// One value per thread.
 struct PerThread<T>(Mutex<HashMap<ThreadId, T>>);
 
@@ -145,6 +179,8 @@ pub struct RedisStore {
     waiters: Arc<Waiters>,
     /// Whether the completion subscription is live.
     listening: Arc<AtomicBool>,
+    /// Whether the server takes `SET ... NX ... GET` (Redis 7 and later).
+    native_claim: AtomicBool,
     _subscriber: AbortOnDrop,
 }
 
@@ -222,18 +258,20 @@ impl RedisStore {
             scripts: Scripts::new(),
             waiters,
             listening,
+            native_claim: AtomicBool::new(true),
             _subscriber: AbortOnDrop(subscriber),
         }
     }
 
-    async fn invoke<T: redis::FromRedisValue>(&self, invocation: &ScriptInvocation<'_>) -> Result<T, StoreError> {
+    /// This thread's connection.
+    async fn connection(&self) -> Result<Conn, StoreError> {
         match &self.connection {
             Connection::Single { client, managers } => {
                 let (client, config) = &**client;
-                let mut manager = managers
+                managers
                     .get_or(|| client.get_connection_manager_lazy(config.clone()))
-                    .map_err(unavailable)?;
-                invocation.invoke_async(&mut manager).await
+                    .map(Conn::Single)
+                    .map_err(unavailable)
             }
             Connection::Cluster { client, connections } => {
                 let cell = connections
@@ -243,10 +281,41 @@ impl RedisStore {
                     .get_or_try_init(|| client.get_async_connection())
                     .await
                     .map_err(unavailable)?;
-                invocation.invoke_async(&mut connection.clone()).await
+                Ok(Conn::Cluster(connection.clone()))
             }
         }
-        .map_err(unavailable)
+    }
+
+    async fn invoke<T: redis::FromRedisValue>(&self, invocation: &ScriptInvocation<'_>) -> Result<T, StoreError> {
+        let mut connection = self.connection().await?;
+        invocation.invoke_async(&mut connection).await.map_err(unavailable)
+    }
+
+    /// Claims with `SET key claim NX PX lease GET`: one native command, no
+    /// script to run. Servers before Redis 7 refuse NX with GET; then the
+    /// claim script is used from there on.
+    async fn claim_natively(&self, key: &RecordKey, claim: &[u8], lease: u64) -> Result<Option<Vec<u8>>, StoreError> {
+        let mut command = redis::cmd("SET");
+        command
+            .arg(redis_key(key))
+            .arg(claim)
+            .arg("NX")
+            .arg("PX")
+            .arg(lease)
+            .arg("GET");
+        let mut connection = self.connection().await?;
+        match command.query_async::<Option<Vec<u8>>>(&mut connection).await {
+            Ok(found) => Ok(found),
+            Err(error) if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => {
+                tracing::info!(%error, "this Redis refuses SET NX GET; claiming with a script instead");
+                self.native_claim.store(false, Ordering::Relaxed);
+                let mut invocation = self.scripts.claim.key(redis_key(key));
+                invocation.arg(claim).arg(lease).arg(0);
+                let found: Option<(Vec<u8>, i64)> = self.invoke(&invocation).await?;
+                Ok(found.map(|(record, _)| record))
+            }
+            Err(error) => Err(unavailable(error)),
+        }
     }
 
     async fn owned(&self, script: &Script, key: &RecordKey, owner: Owner, args: &[&[u8]]) -> Result<bool, StoreError> {
@@ -270,20 +339,21 @@ impl Store for RedisStore {
         lease: Duration,
         refresh_ttl: Option<Duration>,
     ) -> Result<Claim, StoreError> {
-        let mut invocation = self.scripts.claim.key(redis_key(key));
-        invocation
-            .arg(codec::in_flight(fingerprint, owner))
-            .arg(ms(lease))
-            .arg(refresh_ttl.map_or(0, ms));
-        let found: Option<(Vec<u8>, i64)> = self.invoke(&invocation).await?;
-        let Some((record, pttl)) = found else {
+        let claim = codec::in_flight(fingerprint, owner);
+        let found = if refresh_ttl.is_none() && self.native_claim.load(Ordering::Relaxed) {
+            self.claim_natively(key, &claim, ms(lease)).await?
+        } else {
+            // A replay that refreshes the TTL must do it in the same step.
+            let mut invocation = self.scripts.claim.key(redis_key(key));
+            invocation.arg(claim).arg(ms(lease)).arg(refresh_ttl.map_or(0, ms));
+            let found: Option<(Vec<u8>, i64)> = self.invoke(&invocation).await?;
+            found.map(|(record, _)| record)
+        };
+        let Some(record) = found else {
             return Ok(Claim::Claimed);
         };
         Ok(match codec::decode(Bytes::from(record))? {
-            Decoded::InFlight { fingerprint, .. } => Claim::InFlight {
-                fingerprint,
-                lease_left: Duration::from_millis(pttl.max(0) as u64),
-            },
+            Decoded::InFlight { fingerprint, .. } => Claim::InFlight { fingerprint },
             Decoded::Completed { fingerprint, outcome } => Claim::Completed { fingerprint, outcome },
         })
     }
