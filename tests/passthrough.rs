@@ -187,6 +187,8 @@ async fn shadow_mode_forwards_everything_and_counts_what_enforce_would_do() {
     let proxy = Proxy::start(
         &upstream.url(),
         r#"
+[server]
+max_request_body = "1KiB"
 [defaults]
 mode = "shadow"
 [[route]]
@@ -203,7 +205,15 @@ path = "/v1/orders"
     client.post(&url, "k", "b").await;
     client.send("POST", &url, &[], "no key").await;
     client.send("POST", &url, &[("idempotency-key", "")], "bad key").await;
-    assert_eq!(upstream.hits(), 5);
+    let big = "b".repeat(2048);
+    let oversized = client.post(&url, "big", &big).await;
+    assert_eq!(
+        oversized.status,
+        StatusCode::CREATED,
+        "declared too large: still forwarded"
+    );
+    assert_eq!(upstream.seen().last().unwrap().body.len(), 2048, "with its whole body");
+    assert_eq!(upstream.hits(), 6);
     let metrics = proxy.metrics.render(None);
     for outcome in [
         "forwarded",
@@ -211,6 +221,7 @@ path = "/v1/orders"
         "shadow_mismatch",
         "shadow_key_missing",
         "shadow_key_invalid",
+        "shadow_too_large",
     ] {
         assert!(
             metrics.contains(&format!(r#"{{route="orders",outcome="{outcome}"}} 1"#)),

@@ -209,7 +209,12 @@ impl Gateway {
         // 3. The body, buffered.
         let body = match self.read_body(&parts, body).await {
             Ok(bytes) => bytes,
-            Err((problem, body)) => return self.refuse(live, problem, parts, body, peer).await,
+            Err((problem, Some(body))) => return self.refuse(live, problem, parts, body, peer).await,
+            // Part of the body is gone: even shadow mode cannot forward it.
+            Err((problem, None)) => {
+                live.counters.count(outcome_of(&problem));
+                return problem.response();
+            }
         };
         let wants_json = policy.fingerprint.body == crate::config::BodyMode::Json
             || (header_key.is_none() && policy.key.derive.iter().any(|f| matches!(f, DeriveField::Body(_))));
@@ -358,8 +363,9 @@ impl Gateway {
     }
 
     /// Buffers the request body up to `max_request_body`. On failure, hands
-    /// back what is left of the body so shadow mode can still forward it.
-    async fn read_body(&self, parts: &Parts, body: Incoming) -> Result<Bytes, (Problem, RequestBody)> {
+    /// back the body when none of it was read yet, so shadow mode can still
+    /// forward it.
+    async fn read_body(&self, parts: &Parts, body: Incoming) -> Result<Bytes, (Problem, Option<RequestBody>)> {
         let limit = self.config.server.max_request_body;
         let declared = parts
             .headers
@@ -367,18 +373,17 @@ impl Gateway {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         if declared.is_some_and(|len| len > limit) {
-            return Err((Problem::BodyTooLarge { limit }, RequestBody::Streaming(body)));
+            return Err((Problem::BodyTooLarge { limit }, Some(RequestBody::Streaming(body))));
         }
         let limit = usize::try_from(limit).unwrap_or(usize::MAX);
         match Limited::new(body, limit).collect().await {
             Ok(collected) => Ok(collected.to_bytes()),
-            Err(error) if error.is::<http_body_util::LengthLimitError>() => Err((
-                Problem::BodyTooLarge { limit: limit as u64 },
-                RequestBody::Buffered(Bytes::new()),
-            )),
+            Err(error) if error.is::<http_body_util::LengthLimitError>() => {
+                Err((Problem::BodyTooLarge { limit: limit as u64 }, None))
+            }
             Err(error) => Err((
                 Problem::BadRequest(format!("the request body could not be read: {error}")),
-                RequestBody::Buffered(Bytes::new()),
+                None,
             )),
         }
     }

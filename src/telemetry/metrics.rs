@@ -31,10 +31,11 @@ pub enum Outcome {
     ShadowKeyInvalid,
     ShadowNotReplayable,
     ShadowOutcomeUnknown,
+    ShadowTooLarge,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 20] = [
+    pub const ALL: [Outcome; 21] = [
         Outcome::Forwarded,
         Outcome::Replayed,
         Outcome::InFlight,
@@ -55,6 +56,7 @@ impl Outcome {
         Outcome::ShadowKeyInvalid,
         Outcome::ShadowNotReplayable,
         Outcome::ShadowOutcomeUnknown,
+        Outcome::ShadowTooLarge,
     ];
 
     pub fn name(self) -> &'static str {
@@ -79,6 +81,7 @@ impl Outcome {
             Outcome::ShadowKeyInvalid => "shadow_key_invalid",
             Outcome::ShadowNotReplayable => "shadow_not_replayable",
             Outcome::ShadowOutcomeUnknown => "shadow_outcome_unknown",
+            Outcome::ShadowTooLarge => "shadow_too_large",
         }
     }
 
@@ -92,6 +95,7 @@ impl Outcome {
             Outcome::KeyInvalid => Outcome::ShadowKeyInvalid,
             Outcome::NotReplayable => Outcome::ShadowNotReplayable,
             Outcome::OutcomeUnknown => Outcome::ShadowOutcomeUnknown,
+            Outcome::TooLarge => Outcome::ShadowTooLarge,
             other => other,
         }
     }
