@@ -12,11 +12,14 @@
 //!
 //! - [`config`]: the TOML file, as a raw serde mirror validated into
 //!   [`config::Config`]; every problem is reported at once, by field.
-//! - [`server`]: the accept loop (HTTP/1.1 and h2c), the admin listener
-//!   (`/healthz`, `/readyz`, `/metrics`) and graceful shutdown.
+//! - [`server`]: the accept loop (HTTP/1.1 and HTTP/2, TLS by rustls in
+//!   [`server::tls`]), listeners shared by several single-threaded workers
+//!   (SO_REUSEPORT), the admin listener (`/healthz`, `/readyz`, `/metrics`,
+//!   `/records`), reload and graceful shutdown.
 //! - [`proxy`]: the request pipeline, one step a file: route, key, body,
 //!   fingerprint, claim, exchange (forward, stream, record), problem.
-//! - [`store`]: the [`store::Store`] contract and its backends.
+//! - [`store`]: the [`store::Store`] contract, the record codec, and its
+//!   backends: memory, embedded (redb), Redis and Redis Cluster.
 //! - [`telemetry`]: tracing setup and the metrics.
 //!
 //! # The life of a request
