@@ -1,4 +1,4 @@
-//! Configuration: the raw TOML mirror ([`raw`]) is validated into the typed
+//! Configuration: the raw TOML mirror (`raw.rs`) is validated into the typed
 //! [`Config`] the rest of the crate uses.
 //!
 //! Loading never panics on bad input: every problem found is collected into

@@ -2,11 +2,11 @@
 //!
 //! 1. route: the first `[[route]]` whose host, path and method match, or
 //!    pass-through;
-//! 2. key: the key header, or a key derived from the listed fields ([`key`]);
+//! 2. key: the key header, or a key derived from the listed fields (`key.rs`);
 //! 3. body: buffered up to `max_request_body` (413 past it);
-//! 4. fingerprint ([`fingerprint`]) and record key (scope + key);
+//! 4. fingerprint (`fingerprint.rs`) and record key (scope + key);
 //! 5. claim: replay, 422, 409 / wait, or claimed;
-//! 6. exchange ([`exchange`]): forward, stream while recording, complete
+//! 6. exchange (`exchange.rs`): forward, stream while recording, complete
 //!    before the last byte, release on every failure.
 //!
 //! Every refusal is a [`Problem`]; [`problem`] maps it to HTTP.
