@@ -213,7 +213,7 @@ async fn a_client_that_hangs_up_mid_request_loses_no_record_and_leaves_no_claim(
         gap: Duration::from_millis(300),
     })
     .await;
-    let proxy = Proxy::start(&upstream.url(), "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"").await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
 
     // Hang up before the head, and hang up after the first chunk.
     for (key, wait) in [("before-head", 100), ("mid-body", 450)] {

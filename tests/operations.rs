@@ -48,7 +48,7 @@ async fn request_logs_name_route_outcome_and_key_hash_but_never_secrets() {
         }
     })
     .await;
-    let proxy = Proxy::start(&upstream.url(), "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n").await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
     let client = TestClient::default();
     let secret_key = "key-SECRET-4f1d9a";
     let token = "Bearer TOKEN-7c2e55";
@@ -94,7 +94,7 @@ async fn a_reload_adds_a_route_and_leaves_requests_in_flight_alone() {
         }
     })
     .await;
-    let before = "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n";
+    let before = support::ORDERS;
     let proxy = Proxy::start(&upstream.url(), before).await;
     let client = TestClient::default();
     // Not a route yet: passed through, twice.
@@ -169,7 +169,7 @@ async fn sighup_reloads_the_file_and_keeps_the_old_one_when_the_new_is_broken() 
 async fn shutdown_drains_requests_and_exchanges_whose_clients_left() {
     let _ = captured();
     let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(700))).await;
-    let proxy = Proxy::start(&upstream.url(), "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n").await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
     let store = proxy.store.clone();
     let client = TestClient::default();
     let waiting = tokio::spawn({
@@ -192,12 +192,7 @@ async fn shutdown_drains_requests_and_exchanges_whose_clients_left() {
     assert_eq!(waiting.await.unwrap().status, StatusCode::CREATED);
     assert_eq!(upstream.hits(), 2);
     // Both records were completed before the drain ended.
-    let restarted = Proxy::start_with_store(
-        &upstream.url(),
-        "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n",
-        store,
-    )
-    .await;
+    let restarted = Proxy::start_with_store(&upstream.url(), support::ORDERS, store).await;
     for key in ["stays", "left"] {
         assert!(
             client.post(&restarted.url("/v1/orders"), key, "").await.replayed(),

@@ -233,7 +233,7 @@ path = "/v1/orders"
 #[tokio::test]
 async fn the_admin_listener_answers_health_readiness_and_metrics() {
     let upstream = Upstream::created().await;
-    let proxy = Proxy::start(&upstream.url(), "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"").await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
     let client = TestClient::default();
     client.post(&proxy.url("/v1/orders"), "k", "").await;
     client.post(&proxy.url("/v1/orders"), "k", "").await;

@@ -133,7 +133,7 @@ async fn an_https_upstream_is_verified_against_upstream_ca() {
     let acceptor = tls::acceptor(&pki.tls()).unwrap();
     let upstream = Upstream::start_with(Some(acceptor), |hit, _| Reply::created(hit)).await;
     let url = format!("https://localhost:{}", upstream.addr.port());
-    let route = "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n";
+    let route = support::ORDERS;
     let trusting = Proxy::start(
         &url,
         &format!("[upstream]\nca = \"{}\"\n{route}", toml_path(&pki.path("ca.pem"))),

@@ -6,6 +6,9 @@
 
 pub mod redis;
 
+/// The route most tests use: POST and PATCH on /v1/orders, every default.
+pub const ORDERS: &str = "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n";
+
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
