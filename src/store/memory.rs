@@ -2,8 +2,16 @@
 //! held across an `.await`), leases and TTLs as deadlines swept by a
 //! background task, and a byte budget that evicts the oldest completed
 //! records first (never an in-flight claim).
+//!
+//! The sweeper and the eviction read FIFO queues rather than sorted trees:
+//! deadlines set with one duration (a route's `ttl`, its `lock_timeout`)
+//! come due in the order they were set, so one queue per duration is
+//! sorted, and completions are queued in completion order. An entry whose
+//! deadline changed, or that left early, leaves a stale item behind, which
+//! is recognised by its sequence number and skipped when it reaches the
+//! front. Every operation on a record is O(1).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -30,16 +38,19 @@ struct Shared {
 #[derive(Default)]
 struct Shard {
     entries: HashMap<RecordKey, Entry>,
-    /// Every entry by its deadline (lease end or TTL end), for the sweeper.
-    deadlines: BTreeMap<(Instant, u64), RecordKey>,
-    /// Completed entries by completion order, for eviction.
-    completed: BTreeMap<u64, RecordKey>,
+    /// Deadlines (lease or TTL ends) as they were set, one queue per
+    /// duration, each therefore in deadline order: for the sweeper.
+    deadlines: HashMap<Duration, VecDeque<(Instant, u64, RecordKey)>>,
+    /// Completions in completion order, for eviction.
+    completed: VecDeque<(u64, RecordKey)>,
     bytes: usize,
     seq: u64,
 }
 
 struct Entry {
     fingerprint: Fingerprint,
+    /// When the entry expires, and the sequence number of the queue item
+    /// that stands for this deadline.
     deadline: (Instant, u64),
     state: State,
 }
@@ -114,24 +125,70 @@ impl Shard {
 
     fn remove(&mut self, key: &RecordKey) -> Option<Entry> {
         let entry = self.entries.remove(key)?;
-        self.deadlines.remove(&entry.deadline);
         match &entry.state {
             State::InFlight { done, .. } => done.notify_waiters(),
-            State::Done { order, size, .. } => {
-                self.completed.remove(order);
-                self.bytes -= size;
-            }
+            State::Done { size, .. } => self.bytes -= size,
         }
         Some(entry)
     }
 
-    fn set_deadline(&mut self, key: &RecordKey, at: Instant) {
-        let slot = (at, self.next_seq());
+    /// Queues a deadline `lasting` from `now`; returns it for the entry.
+    fn queue_deadline(&mut self, key: &RecordKey, now: Instant, lasting: Duration) -> (Instant, u64) {
+        let deadline = (now + lasting, self.next_seq());
+        self.deadlines
+            .entry(lasting)
+            .or_default()
+            .push_back((deadline.0, deadline.1, *key));
+        deadline
+    }
+
+    fn set_deadline(&mut self, key: &RecordKey, now: Instant, lasting: Duration) {
+        let deadline = self.queue_deadline(key, now, lasting);
         if let Some(entry) = self.entries.get_mut(key) {
-            let old = std::mem::replace(&mut entry.deadline, slot);
-            self.deadlines.remove(&old);
-            self.deadlines.insert(slot, *key);
+            entry.deadline = deadline;
         }
+    }
+
+    /// Whether a queued deadline is still the entry's own.
+    fn is_current(&self, key: &RecordKey, seq: u64) -> bool {
+        self.entries.get(key).is_some_and(|e| e.deadline.1 == seq)
+    }
+
+    /// Removes up to `limit` entries whose deadline has passed; returns how
+    /// many queue items it looked at.
+    fn sweep(&mut self, now: Instant, limit: usize) -> usize {
+        let mut due = Vec::new();
+        let mut looked = 0;
+        for queue in self.deadlines.values_mut() {
+            while looked < limit
+                && let Some(&(at, seq, key)) = queue.front()
+                && at <= now
+            {
+                queue.pop_front();
+                due.push((seq, key));
+                looked += 1;
+            }
+        }
+        self.deadlines.retain(|_, queue| !queue.is_empty());
+        for (seq, key) in due {
+            if self.is_current(&key, seq) {
+                self.remove(&key);
+            }
+        }
+        // Completions of entries that are gone: drop them from the front.
+        while let Some(&(order, key)) = self.completed.front() {
+            if self.is_completed(&key, order) {
+                break;
+            }
+            self.completed.pop_front();
+        }
+        looked
+    }
+
+    fn is_completed(&self, key: &RecordKey, order: u64) -> bool {
+        self.entries
+            .get(key)
+            .is_some_and(|e| matches!(e.state, State::Done { order: o, .. } if o == order))
     }
 
     /// The in-flight entry of `key` if `owner` holds it.
@@ -142,15 +199,11 @@ impl Shard {
 
     fn evict_to(&mut self, budget: usize) {
         while self.bytes > budget {
-            let Some((_, key)) = self.completed.pop_first() else {
+            let Some((order, key)) = self.completed.pop_front() else {
                 break;
             };
-            // `remove` finds the order gone already; account for it here.
-            if let Some(entry) = self.entries.remove(&key) {
-                self.deadlines.remove(&entry.deadline);
-                if let State::Done { size, .. } = entry.state {
-                    self.bytes -= size;
-                }
+            if self.is_completed(&key, order) {
+                self.remove(&key);
             }
         }
     }
@@ -175,7 +228,7 @@ impl Store for MemoryStore {
                 State::Done { outcome, .. } => {
                     let outcome = outcome.clone();
                     if let Some(ttl) = refresh_ttl.filter(|_| found == *fingerprint) {
-                        shard.set_deadline(key, now + ttl);
+                        shard.set_deadline(key, now, ttl);
                     }
                     Claim::Completed {
                         fingerprint: found,
@@ -184,8 +237,7 @@ impl Store for MemoryStore {
                 }
             });
         }
-        let deadline = (now + lease, shard.next_seq());
-        shard.deadlines.insert(deadline, *key);
+        let deadline = shard.queue_deadline(key, now, lease);
         shard.entries.insert(
             *key,
             Entry {
@@ -218,9 +270,9 @@ impl Store for MemoryStore {
         if let State::InFlight { done, .. } = previous {
             done.notify_waiters();
         }
-        shard.completed.insert(order, *key);
+        shard.completed.push_back((order, *key));
         shard.bytes += size;
-        shard.set_deadline(key, now + ttl);
+        shard.set_deadline(key, now, ttl);
         let budget = self.shared.budget_per_shard;
         shard.evict_to(budget);
         Ok(true)
@@ -241,7 +293,7 @@ impl Store for MemoryStore {
         if shard.owned(key, owner, now).is_none() {
             return Ok(false);
         }
-        shard.set_deadline(key, now + lease);
+        shard.set_deadline(key, now, lease);
         Ok(true)
     }
 
@@ -317,16 +369,7 @@ async fn sweep(shared: Weak<Shared>) {
         let Some(shared) = shared.upgrade() else { return };
         let now = Instant::now();
         for shard in shared.shards.iter() {
-            loop {
-                let mut shard = lock(shard);
-                let expired: Vec<RecordKey> = shard.deadlines.range(..(now, 0)).take(BATCH).map(|(_, k)| *k).collect();
-                for key in &expired {
-                    shard.remove(key);
-                }
-                if expired.len() < BATCH {
-                    break;
-                }
-            }
+            while lock(shard).sweep(now, BATCH) == BATCH {}
         }
     }
 }
@@ -387,5 +430,49 @@ mod tests {
             store.claim(&in_flight, &fp, Owner(9), lease, None).await.unwrap(),
             Claim::InFlight { .. }
         ));
+    }
+
+    #[tokio::test]
+    async fn sweeping_leaves_no_stale_queue_items_behind() {
+        let store = MemoryStore::new(1 << 30);
+        let fp = Fingerprint([0; 32]);
+        for i in 0..2000u32 {
+            let mut k = [0u8; 32];
+            k[..4].copy_from_slice(&i.to_be_bytes());
+            let key = RecordKey(k);
+            let owner = Owner(i as u128);
+            store
+                .claim(&key, &fp, owner, Duration::from_secs(5), None)
+                .await
+                .unwrap();
+            // A renewal and a refresh leave stale deadline items behind.
+            store.renew(&key, owner, Duration::from_secs(5)).await.unwrap();
+            store
+                .complete(&key, owner, response(10), Duration::from_millis(20))
+                .await
+                .unwrap();
+            store
+                .claim(
+                    &key,
+                    &fp,
+                    Owner(0),
+                    Duration::from_secs(5),
+                    Some(Duration::from_millis(20)),
+                )
+                .await
+                .unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Only the lease items (5 s) are not due yet; they are stale.
+        for shard in store.shared.shards.iter() {
+            lock(shard).sweep(Instant::now() + Duration::from_secs(6), usize::MAX);
+        }
+        for shard in store.shared.shards.iter() {
+            let shard = lock(shard);
+            assert!(shard.entries.is_empty());
+            assert!(shard.deadlines.is_empty());
+            assert!(shard.completed.is_empty());
+            assert_eq!(shard.bytes, 0);
+        }
     }
 }
