@@ -288,3 +288,45 @@ async fn the_lease_of_a_crashed_proxy_runs_out_and_frees_the_key() {
     assert_eq!(freed.status, StatusCode::CREATED);
     assert_eq!(upstream.hits(), 1);
 }
+
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cut_off_and_the_record_still_completes() {
+    const CHUNKS: usize = 256;
+    let upstream = Upstream::start(|_, _| Reply::Answer {
+        delay: Duration::ZERO,
+        status: StatusCode::CREATED,
+        headers: vec![],
+        chunks: (0..CHUNKS)
+            .map(|i| Bytes::from(vec![b'a' + (i % 26) as u8; 32 * 1024]))
+            .collect(),
+        gap: Duration::from_millis(1),
+    })
+    .await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        "[server]\nheader_read_timeout = \"500ms\"\n[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\nmax_response_body = \"16MiB\"\n",
+    )
+    .await;
+    // Sends its request, then never reads a byte of the 8 MiB answer.
+    let mut stalled = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    stalled
+        .write_all(b"POST /v1/orders HTTP/1.1\r\nhost: x\r\nidempotency-key: stall\r\ncontent-length: 0\r\n\r\n")
+        .await
+        .unwrap();
+    let client = TestClient::default();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let retry = client
+            .send("POST", &proxy.url("/v1/orders"), &[("idempotency-key", "stall")], "")
+            .await;
+        if retry.replayed() {
+            assert_eq!(retry.body.len(), CHUNKS * 32 * 1024);
+            break;
+        }
+        assert_eq!(retry.status, StatusCode::CONFLICT);
+        assert!(tokio::time::Instant::now() < deadline, "a stalled client held the key");
+    }
+    assert_eq!(upstream.hits(), 1);
+    drop(stalled);
+}

@@ -91,7 +91,7 @@ async fn hop_by_hop_headers_are_dropped_and_forwarded_headers_set() {
         .write_all(
             b"GET /h HTTP/1.1\r\nhost: api.example.com\r\nconnection: keep-alive, x-client-secret\r\n\
               x-client-secret: 1\r\nkeep-alive: timeout=5\r\nproxy-authorization: basic x\r\nte: trailers\r\n\
-              upgrade: websocket\r\nx-forwarded-for: 203.0.113.9\r\nx-kept: yes\r\n\r\n",
+              upgrade: websocket\r\nx-forwarded-for: 203.0.113.9\r\nx-forwarded-for: 198.51.100.7\r\nx-kept: yes\r\n\r\n",
         )
         .await
         .unwrap();
@@ -112,7 +112,10 @@ async fn hop_by_hop_headers_are_dropped_and_forwarded_headers_set() {
         assert!(seen.get(gone).is_none(), "{gone} was forwarded");
     }
     assert_eq!(seen.get("x-kept").unwrap(), "yes");
-    assert_eq!(seen.get("x-forwarded-for").unwrap(), "203.0.113.9, 127.0.0.1");
+    assert_eq!(
+        seen.get("x-forwarded-for").unwrap(),
+        "203.0.113.9, 198.51.100.7, 127.0.0.1"
+    );
     assert_eq!(seen.get("x-forwarded-proto").unwrap(), "http");
     assert_eq!(seen.get("x-forwarded-host").unwrap(), "api.example.com");
     assert_eq!(seen.get("host").unwrap().to_str().unwrap(), upstream.addr.to_string());
@@ -164,6 +167,12 @@ path = "/files/{{*rest}}"
     };
     post("/v1/orders", "tenant.example.com:8080", "POST").await;
     assert_eq!(other.hits(), 1, "host matched, port ignored; the route's own upstream");
+    // Another method on that route's path passes through to its backend too.
+    let get = client
+        .send("GET", &proxy.url("/v1/orders"), &[("host", "tenant.example.com")], "")
+        .await;
+    assert!(!get.replayed());
+    assert_eq!(other.hits(), 2, "pass-through follows the route's upstream");
     post("/v1/orders", "else.example.com", "POST").await;
     assert_eq!(upstream.hits(), 1);
     let lines = post("/v1/orders/42/lines", "x", "PUT").await;

@@ -254,3 +254,37 @@ async fn a_replica_killed_mid_request_holds_the_key_until_its_lease_runs_out() {
     assert!(killed_at.elapsed() >= Duration::from_millis(500), "freed too early");
     assert_eq!(upstream.hits(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_the_store_did_not_take_is_retried_until_it_lands() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(300))).await;
+    let proxy = Proxy::start_with_store(&upstream.url(), ROUTE, redis_store(&redis.url())).await;
+    let client = TestClient::default();
+    let first = tokio::spawn({
+        let (client, url) = (client.clone(), proxy.url("/v1/orders"));
+        async move { client.post(&url, "paused", "{}").await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Writes stall for 2.5 s: the completion at 300 ms times out (1 s).
+    assert!(redis.cli(&["client", "pause", "2500", "write"]).is_some());
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    // Once writes resume, the retried completion lands: a replay, well
+    // before the 30 s lease could have run out.
+    let deadline = Instant::now() + Duration::from_secs(8);
+    loop {
+        let retry = client.post(&proxy.url("/v1/orders"), "paused", "{}").await;
+        if retry.replayed() {
+            break;
+        }
+        // 503 while writes stall, 409 while the completion is pending.
+        assert!(
+            [StatusCode::CONFLICT, StatusCode::SERVICE_UNAVAILABLE].contains(&retry.status),
+            "{}",
+            retry.text()
+        );
+        assert!(Instant::now() < deadline, "the completion never landed");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(upstream.hits(), 1);
+}

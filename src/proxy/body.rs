@@ -2,6 +2,8 @@
 //! the upstream ([`UpstreamBody`]).
 
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
@@ -26,9 +28,41 @@ pub enum ResponseBody {
     Full(Option<Bytes>),
     /// A pass-through upstream body, cut off at the upstream deadline.
     Upstream { body: Incoming, deadline: Pin<Box<Sleep>> },
-    /// Frames from the task that records the response.
-    Channel(mpsc::Receiver<ChannelItem>),
+    /// Frames from the task that records the response, through
+    /// [`ResponseBody::channel`].
+    Channel {
+        frames: mpsc::Receiver<ChannelItem>,
+        finished: Arc<AtomicBool>,
+    },
 }
+
+/// The sending half of [`ResponseBody::channel`].
+pub struct BodySender {
+    frames: mpsc::Sender<ChannelItem>,
+    finished: Arc<AtomicBool>,
+}
+
+impl BodySender {
+    /// Sends a frame; an error when the client's side is gone.
+    pub async fn send(&self, frame: Frame<Bytes>) -> Result<(), ()> {
+        self.frames.send(Ok(frame)).await.map_err(drop)
+    }
+
+    /// Ends the body with an error the client sees as a broken response.
+    pub async fn abort(self, why: &'static str) {
+        let _ = self.frames.send(Err(why.into())).await;
+    }
+
+    /// Ends the body normally. A sender dropped without `finish` ends it
+    /// with an error instead, so a cut-off body never looks complete.
+    pub fn finish(self) {
+        self.finished.store(true, Ordering::Release);
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the response was cut off")]
+pub struct CutOff;
 
 #[derive(Debug, thiserror::Error)]
 #[error("the upstream did not finish its response in time")]
@@ -41,6 +75,17 @@ impl ResponseBody {
 
     pub fn empty() -> ResponseBody {
         ResponseBody::Full(None)
+    }
+
+    /// A body fed frame by frame, holding up to `frames` frames.
+    pub fn channel(frames: usize) -> (BodySender, ResponseBody) {
+        let (tx, rx) = mpsc::channel(frames);
+        let finished = Arc::new(AtomicBool::new(false));
+        let sender = BodySender {
+            frames: tx,
+            finished: finished.clone(),
+        };
+        (sender, ResponseBody::Channel { frames: rx, finished })
     }
 }
 
@@ -58,7 +103,10 @@ impl Body for ResponseBody {
                 ready!(deadline.as_mut().poll(cx));
                 Poll::Ready(Some(Err(UpstreamBodyTimeout.into())))
             }
-            ResponseBody::Channel(rx) => rx.poll_recv(cx),
+            ResponseBody::Channel { frames, finished } => match ready!(frames.poll_recv(cx)) {
+                None if !finished.load(Ordering::Acquire) => Poll::Ready(Some(Err(CutOff.into()))),
+                item => Poll::Ready(item),
+            },
         }
     }
 
@@ -66,7 +114,7 @@ impl Body for ResponseBody {
         match self {
             ResponseBody::Full(bytes) => bytes.is_none(),
             ResponseBody::Upstream { body, .. } => body.is_end_stream(),
-            ResponseBody::Channel(_) => false,
+            ResponseBody::Channel { .. } => false,
         }
     }
 
@@ -74,7 +122,7 @@ impl Body for ResponseBody {
         match self {
             ResponseBody::Full(bytes) => SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64)),
             ResponseBody::Upstream { body, .. } => body.size_hint(),
-            ResponseBody::Channel(_) => SizeHint::default(),
+            ResponseBody::Channel { .. } => SizeHint::default(),
         }
     }
 }

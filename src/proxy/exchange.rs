@@ -17,12 +17,12 @@ use futures_util::FutureExt;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use super::body::{ResponseBody, UpstreamBody};
+use super::body::{BodySender, ResponseBody, UpstreamBody};
 use super::forward::{UpstreamClient, strip_hop_by_hop};
 use super::problem::Problem;
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
@@ -43,6 +43,8 @@ pub struct Exchange {
     pub owner: Owner,
     pub request: Request<UpstreamBody>,
     pub timeout: Duration,
+    /// How long the client may stall a streamed answer.
+    pub client_timeout: Duration,
 }
 
 /// Holds a claim: renews its lease while the exchange runs long, releases
@@ -125,14 +127,24 @@ impl ClaimGuard {
     async fn complete(mut self, outcome: Outcome, ttl: Duration) {
         self.settle();
         let started = Instant::now();
-        let result = self.store.complete(&self.key, self.owner, outcome, ttl).await;
+        let result = self.store.complete(&self.key, self.owner, outcome.clone(), ttl).await;
         self.metrics.store_latency.observe(started.elapsed());
         match result {
             Ok(true) => {}
             Ok(false) => tracing::warn!(key = %self.key.tag(), "lease lost: the record was not completed"),
-            // Releasing now could let a retry run the request twice; the
-            // lease runs out instead, answering 409 to retries until then.
-            Err(error) => tracing::error!(key = %self.key.tag(), %error, "completing the record failed"),
+            // Releasing could let a retry run the request twice, and so could
+            // letting the lease run out: keep the claim and keep trying.
+            Err(error) => {
+                tracing::error!(key = %self.key.tag(), %error, "completing the record failed; retrying");
+                tokio::spawn(retry_completion(
+                    self.store.clone(),
+                    self.key,
+                    self.owner,
+                    self.lease,
+                    outcome,
+                    ttl,
+                ));
+            }
         }
     }
 
@@ -159,6 +171,38 @@ impl Drop for ClaimGuard {
                 tracing::warn!(key = %key.tag(), %error, "releasing an abandoned claim failed");
             }
         });
+    }
+}
+
+/// Completes a record whose completion failed (the store did not answer):
+/// renews the claim and retries, backing off, until the store takes it, the
+/// claim turns out lost, or `ttl` has passed. Retries meanwhile get 409.
+async fn retry_completion(
+    store: StoreHandle,
+    key: RecordKey,
+    owner: Owner,
+    lease: Duration,
+    outcome: Outcome,
+    ttl: Duration,
+) {
+    let give_up = Instant::now() + ttl;
+    let longest = (lease / 3).clamp(Duration::from_millis(1), Duration::from_secs(2));
+    let mut pause = Duration::from_millis(100).min(longest);
+    loop {
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(longest);
+        if let Ok(false) = store.renew(&key, owner, lease).await {
+            tracing::warn!(key = %key.tag(), "lease lost while retrying the completion");
+            return;
+        }
+        match store.complete(&key, owner, outcome.clone(), ttl).await {
+            Ok(true) => return tracing::info!(key = %key.tag(), "record completed on a retry"),
+            Ok(false) => return tracing::warn!(key = %key.tag(), "lease lost while retrying the completion"),
+            Err(error) if Instant::now() >= give_up => {
+                return tracing::error!(key = %key.tag(), %error, "gave up completing the record");
+            }
+            Err(_) => {}
+        }
     }
 }
 
@@ -238,6 +282,7 @@ impl Exchange {
             owner,
             request,
             timeout,
+            client_timeout,
         } = self;
         let mut guard = ClaimGuard::new(store, key, owner, policy.lock_timeout, metrics.clone());
         let deadline = Instant::now() + timeout;
@@ -326,16 +371,14 @@ impl Exchange {
 
         // A streamed body may take its time: keep the lease alive.
         guard.start_renewal();
-        let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
-        let client = reply
-            .send(Response::from_parts(head, ResponseBody::Channel(rx)))
-            .ok()
-            .map(|_| tx);
+        let (tx, body_to_client) = ResponseBody::channel(CHANNEL_FRAMES);
+        let client = reply.send(Response::from_parts(head, body_to_client)).ok().map(|_| tx);
         let mut relay = Relay {
             client,
             held: None,
             recorder: keep.then_some(recorder),
             key,
+            client_timeout,
         };
         for data in early {
             relay.data(data).await;
@@ -370,12 +413,13 @@ impl Exchange {
         let recorder = recorder.unwrap_or_else(|| Recorder::new(0));
         settle(guard, &policy, status, headers, recorder).await;
         if let Some(tx) = client {
-            if let Some(last) = held {
-                let _ = tx.send(Ok(Frame::data(last))).await;
+            let last = held.map(Frame::data).into_iter().chain(trailers.map(Frame::trailers));
+            for frame in last {
+                if tokio::time::timeout(client_timeout, tx.send(frame)).await != Ok(Ok(())) {
+                    return;
+                }
             }
-            if let Some(trailers) = trailers {
-                let _ = tx.send(Ok(Frame::trailers(trailers))).await;
-            }
+            tx.finish();
         }
     }
 }
@@ -383,10 +427,13 @@ impl Exchange {
 /// Streams data frames to the client, always holding back the last byte
 /// seen, while the recorder keeps a copy.
 struct Relay {
-    client: Option<mpsc::Sender<super::body::ChannelItem>>,
+    client: Option<BodySender>,
     held: Option<Bytes>,
     recorder: Option<Recorder>,
     key: RecordKey,
+    /// How long a client may take to accept a frame before it is cut off
+    /// (and the exchange goes on recording without it).
+    client_timeout: Duration,
 }
 
 impl Relay {
@@ -399,16 +446,15 @@ impl Relay {
         }
         let Some(tx) = &self.client else { return };
         let last = data.split_off(data.len() - 1);
-        let mut gone = false;
-        if let Some(previous) = self.held.replace(last) {
-            gone |= tx.send(Ok(Frame::data(previous))).await.is_err();
-        }
-        if !data.is_empty() && !gone {
-            gone |= tx.send(Ok(Frame::data(data))).await.is_err();
-        }
-        if gone {
-            tracing::debug!(key = %self.key.tag(), "client went away; finishing the exchange for the record");
-            self.client = None;
+        let previous = self.held.replace(last);
+        let frames = previous.into_iter().chain((!data.is_empty()).then_some(data));
+        for frame in frames {
+            // A client that left, or stopped reading: go on without it.
+            if tokio::time::timeout(self.client_timeout, tx.send(Frame::data(frame))).await != Ok(Ok(())) {
+                tracing::debug!(key = %self.key.tag(), "client gone or stalled; finishing the exchange for the record");
+                self.client = None;
+                return;
+            }
         }
     }
 }
@@ -469,9 +515,9 @@ async fn fail(guard: ClaimGuard, policy: &Policy, failure: Failure) -> Problem {
 
 /// Ends the client's body with an error, so it sees a broken response
 /// rather than a complete-looking truncated one.
-async fn abort(client: Option<mpsc::Sender<super::body::ChannelItem>>, why: &'static str) {
+async fn abort(client: Option<BodySender>, why: &'static str) {
     if let Some(tx) = client {
-        let _ = tx.send(Err(why.into())).await;
+        tx.abort(why).await;
     }
 }
 

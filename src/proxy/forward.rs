@@ -24,7 +24,10 @@ pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, UpstreamBody>;
 /// roots plus `upstream.ca`.
 pub fn client(config: &UpstreamConfig) -> Result<UpstreamClient, TlsError> {
     let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(config.connect_timeout));
+    // Capped at half the whole exchange's timeout, so a connection that
+    // cannot be made fails as "never sent" (released) before the exchange
+    // times out as "sent" (on_upstream_failure decides).
+    connector.set_connect_timeout(Some(config.connect_timeout.min(config.timeout / 2)));
     connector.set_nodelay(true);
     connector.set_keepalive(Some(Duration::from_secs(60)));
     connector.enforce_http(false);
@@ -101,10 +104,16 @@ pub fn prepare(request: &mut Request<UpstreamBody>, upstream: &Uri, peer: Peer) 
     // $proxy_host`; the client's Host travels in X-Forwarded-Host.
     headers.remove(header::HOST);
     let client_ip = peer.addr.ip().to_string();
-    let forwarded_for = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-        Some(earlier) if !earlier.trim().is_empty() => format!("{earlier}, {client_ip}"),
-        _ => client_ip,
-    };
+    // Every earlier hop, from every X-Forwarded-For line, then this client.
+    let mut hops: Vec<&str> = headers
+        .get_all(&X_FORWARDED_FOR)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .collect();
+    hops.push(&client_ip);
+    let forwarded_for = hops.join(", ");
     headers.remove(&X_FORWARDED_FOR);
     if let Ok(value) = HeaderValue::from_str(&forwarded_for) {
         headers.insert(X_FORWARDED_FOR.clone(), value);

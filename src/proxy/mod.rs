@@ -61,6 +61,12 @@ pub struct Gateway {
     exchanges: TaskTracker,
 }
 
+/// Where a request goes: through a route's idempotency, or straight on.
+enum Routed<'a> {
+    Idempotent(&'a LiveRoute, RouteMatch),
+    PassThrough(&'a Uri),
+}
+
 /// A request body: still streaming from the client, or already buffered.
 enum RequestBody {
     Streaming(Incoming),
@@ -139,15 +145,17 @@ impl Gateway {
     }
 
     async fn pipeline(&self, request: Request<Incoming>, peer: Peer) -> Response<ResponseBody> {
-        let Some((live, params)) = self.route_for(&request) else {
-            self.passthrough.count(Outcome::Passthrough);
-            let upstream = self.config.upstream.url.clone();
-            return self.forward(request.map(Either::Right), &upstream, peer).await;
-        };
-        self.idempotent(live, params, request, peer).await
+        match self.route_for(&request) {
+            Routed::Idempotent(live, params) => self.idempotent(live, params, request, peer).await,
+            Routed::PassThrough(upstream) => {
+                self.passthrough.count(Outcome::Passthrough);
+                let upstream = upstream.clone();
+                self.forward(request.map(Either::Right), &upstream, peer).await
+            }
+        }
     }
 
-    fn route_for(&self, request: &Request<Incoming>) -> Option<(&LiveRoute, RouteMatch)> {
+    fn route_for(&self, request: &Request<Incoming>) -> Routed<'_> {
         let host = request
             .headers()
             .get(HOST)
@@ -158,18 +166,25 @@ impl Gateway {
                     .filter(|(_, port)| port.parse::<u16>().is_ok())
                     .map_or(h, |(host, _)| host)
             });
-        self.routes.iter().find_map(|live| {
+        let mut pass_to = None;
+        for live in &self.routes {
             let route = &live.route;
-            if !route.accepts(request.method()) {
-                return None;
-            }
             if let Some(want) = &route.host
                 && !host.is_some_and(|h| h.eq_ignore_ascii_case(want))
             {
-                return None;
+                continue;
             }
-            route.path.matches(request.uri().path()).map(|m| (live, m))
-        })
+            let Some(params) = route.path.matches(request.uri().path()) else {
+                continue;
+            };
+            if route.accepts(request.method()) {
+                return Routed::Idempotent(live, params);
+            }
+            // Another method on this route's path: pass it through to this
+            // route's backend, as a location block would.
+            pass_to.get_or_insert(self.config.upstream_of(route));
+        }
+        Routed::PassThrough(pass_to.unwrap_or(&self.config.upstream.url))
     }
 
     async fn idempotent(
@@ -254,13 +269,24 @@ impl Gateway {
         let owner = Owner::new();
         let refresh = policy.refresh_ttl_on_replay.then_some(policy.ttl);
         let wait_until = Instant::now() + policy.wait_timeout;
+        let mut unsettled = Unsettled {
+            store: &self.store,
+            key: record_key,
+            owner,
+            armed: true,
+        };
         loop {
+            unsettled.armed = true;
             let started = Instant::now();
             let claim = self
                 .store
                 .claim(&record_key, &fingerprint, owner, policy.lock_timeout, refresh)
                 .await;
             self.metrics.store_latency.observe(started.elapsed());
+            if claim.is_ok() {
+                // Claimed: the exchange's guard takes over. Otherwise not ours.
+                unsettled.armed = false;
+            }
             let problem = match claim {
                 Ok(Claim::Claimed) => break,
                 Ok(Claim::InFlight { fingerprint: f, .. } | Claim::Completed { fingerprint: f, .. })
@@ -292,8 +318,10 @@ impl Gateway {
                         match self.store.wait(&record_key, wait_until - now).await {
                             Ok(()) => continue,
                             Err(error) => {
+                                // The store said another request holds the key:
+                                // even with on_error = "pass", do not forward.
                                 tracing::warn!(route = %live.route.name, %error, "waiting on the store failed");
-                                Problem::StoreUnavailable
+                                Problem::RequestInFlight
                             }
                         }
                     } else {
@@ -334,6 +362,7 @@ impl Gateway {
                 owner,
                 request,
                 timeout: self.config.upstream.timeout,
+                client_timeout: self.config.server.header_read_timeout,
             },
         )
         .await
@@ -412,6 +441,28 @@ impl Gateway {
                 Problem::UpstreamUnavailable(detail.into()).response()
             }
             Err(_) => Problem::UpstreamTimeout.response(),
+        }
+    }
+}
+
+/// A claim this request may hold without knowing it: the store may have
+/// applied a claim whose answer was lost (a timeout, a dropped connection,
+/// a client that went away mid-call). Dropped while armed, it releases the
+/// key; the release is owner-checked, so it never touches anyone else's.
+struct Unsettled<'a> {
+    store: &'a StoreHandle,
+    key: crate::store::RecordKey,
+    owner: Owner,
+    armed: bool,
+}
+
+impl Drop for Unsettled<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let (store, key, owner) = (self.store.clone(), self.key, self.owner);
+            tokio::spawn(async move {
+                let _ = store.release(&key, owner).await;
+            });
         }
     }
 }

@@ -197,11 +197,18 @@ impl Shard {
             .filter(|e| matches!(e.state, State::InFlight { owner: o, .. } if o == owner))
     }
 
-    fn evict_to(&mut self, budget: usize) {
+    /// Evicts the oldest completed records until the shard fits `budget`,
+    /// but never `newest`, the record just written: a record larger than
+    /// the budget stays, alone, rather than vanish as it is stored.
+    fn evict_to(&mut self, budget: usize, newest: &RecordKey) {
         while self.bytes > budget {
             let Some((order, key)) = self.completed.pop_front() else {
                 break;
             };
+            if key == *newest {
+                self.completed.push_front((order, key));
+                break;
+            }
             if self.is_completed(&key, order) {
                 self.remove(&key);
             }
@@ -274,7 +281,7 @@ impl Store for MemoryStore {
         shard.bytes += size;
         shard.set_deadline(key, now, ttl);
         let budget = self.shared.budget_per_shard;
-        shard.evict_to(budget);
+        shard.evict_to(budget, key);
         Ok(true)
     }
 
@@ -474,5 +481,27 @@ mod tests {
             assert!(shard.completed.is_empty());
             assert_eq!(shard.bytes, 0);
         }
+    }
+
+    #[tokio::test]
+    async fn a_record_larger_than_the_budget_is_kept_not_evicted_as_it_is_stored() {
+        let store = MemoryStore::new((SHARDS * 1000) as u64);
+        let (key, owner) = (RecordKey([7; 32]), Owner(1));
+        let fp = Fingerprint([0; 32]);
+        store
+            .claim(&key, &fp, owner, Duration::from_secs(5), None)
+            .await
+            .unwrap();
+        store
+            .complete(&key, owner, response(50_000), Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert!(matches!(
+            store
+                .claim(&key, &fp, Owner(2), Duration::from_secs(5), None)
+                .await
+                .unwrap(),
+            Claim::Completed { .. }
+        ));
     }
 }

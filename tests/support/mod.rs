@@ -29,7 +29,7 @@ use idemgate::server::Server;
 use idemgate::store::{MemoryStore, StoreHandle};
 use idemgate::telemetry::Metrics;
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 /// A request as the upstream saw it.
 #[derive(Clone, Debug)]
@@ -209,13 +209,13 @@ async fn answer(
             Err(Reset)
         }
         Reply::BreakOff => {
-            let (tx, rx) = mpsc::channel(4);
+            let (tx, body) = ResponseBody::channel(4);
             tokio::spawn(async move {
-                let _ = tx.send(Ok(Frame::data(Bytes::from_static(b"partial")))).await;
+                let _ = tx.send(Frame::data(Bytes::from_static(b"partial"))).await;
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                let _ = tx.send(Err("broken".into())).await;
+                tx.abort("broken").await;
             });
-            let mut response = Response::new(ResponseBody::Channel(rx));
+            let mut response = Response::new(body);
             response
                 .headers_mut()
                 .insert("content-length", HeaderValue::from_static("1000"));
@@ -232,18 +232,19 @@ async fn answer(
             let body = if chunks.len() <= 1 && gap.is_zero() {
                 ResponseBody::full(chunks.into_iter().next().unwrap_or_default())
             } else {
-                let (tx, rx) = mpsc::channel(1);
+                let (tx, body) = ResponseBody::channel(1);
                 tokio::spawn(async move {
                     for (i, chunk) in chunks.into_iter().enumerate() {
                         if i > 0 {
                             tokio::time::sleep(gap).await;
                         }
-                        if tx.send(Ok(Frame::data(chunk))).await.is_err() {
+                        if tx.send(Frame::data(chunk)).await.is_err() {
                             return;
                         }
                     }
+                    tx.finish();
                 });
-                ResponseBody::Channel(rx)
+                body
             };
             let mut response = Response::new(body);
             *response.status_mut() = status;
