@@ -146,6 +146,14 @@ function request()
 end
 """
 
+# New keys at a paced rate: each connection waits between requests, so both
+# proxies see the same offered load and their p99 can be compared.
+PACED = NEW_KEYS + """
+function delay()
+  return {pause_ms}
+end
+"""
+
 # A small pool of keys, replayed over and over.
 REPLAYS = """
 local counter = 0
@@ -235,7 +243,8 @@ def main():
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="wrk threads")
     parser.add_argument("--scenarios",
-                        default="memory-new,memory-replay,redis-new,embedded-new,memory1m-new,latency-1conn")
+                        default="memory-new,memory-replay,memory-paced,redis-new,embedded-new,memory1m-new,"
+                                "latency-1conn")
     args = parser.parse_args()
     for tool in ("wrk", "nginx", "redis-server"):
         if not shutil.which(tool):
@@ -254,7 +263,9 @@ def main():
         nginx_pids = [pass_through.pid] + children(pass_through.pid)
 
         scripts = {}
-        for name, text in (("new", NEW_KEYS), ("replay", REPLAYS)):
+        # 64 connections, each pausing this long: about 20k req/s offered.
+        pause = args.connections * 1000 / 20000
+        for name, text in (("new", NEW_KEYS), ("replay", REPLAYS), ("paced", PACED.replace("{pause_ms}", f"{pause:.2f}"))):
             scripts[name] = os.path.join(tmp, f"{name}.lua")
             with open(scripts[name], "w") as f:
                 f.write(text)

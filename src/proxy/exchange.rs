@@ -166,7 +166,11 @@ impl Drop for ClaimGuard {
             renewal.abort();
         }
         let (store, key, owner) = (self.store.clone(), self.key, self.owner);
-        tokio::spawn(async move {
+        // No runtime (the process is ending): the lease ends it instead.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
             if let Err(error) = store.release(&key, owner).await {
                 tracing::warn!(key = %key.tag(), %error, "releasing an abandoned claim failed");
             }

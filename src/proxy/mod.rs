@@ -460,7 +460,11 @@ impl Drop for Unsettled<'_> {
     fn drop(&mut self) {
         if self.armed {
             let (store, key, owner) = (self.store.clone(), self.key, self.owner);
-            tokio::spawn(async move {
+            // No runtime (the process is ending): the lease ends it instead.
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                return;
+            };
+            runtime.spawn(async move {
                 let _ = store.release(&key, owner).await;
             });
         }

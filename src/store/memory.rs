@@ -182,7 +182,30 @@ impl Shard {
             }
             self.completed.pop_front();
         }
+        self.compact();
         looked
+    }
+
+    /// Drops stale items from queues that hold many more items than there
+    /// are entries: an evicted record's TTL item would otherwise wait a
+    /// whole TTL to reach the front. Keeps every queue within twice the
+    /// entries (plus a constant), at a cost amortised over the operations
+    /// that made the stale items.
+    fn compact(&mut self) {
+        let bound = 2 * self.entries.len() + 1024;
+        let entries = &self.entries;
+        for queue in self.deadlines.values_mut() {
+            if queue.len() > bound {
+                queue.retain(|(_, seq, key)| entries.get(key).is_some_and(|e| e.deadline.1 == *seq));
+            }
+        }
+        if self.completed.len() > bound {
+            self.completed.retain(|(order, key)| {
+                entries
+                    .get(key)
+                    .is_some_and(|e| matches!(e.state, State::Done { order: o, .. } if o == *order))
+            });
+        }
     }
 
     fn is_completed(&self, key: &RecordKey, order: u64) -> bool {
@@ -503,5 +526,42 @@ mod tests {
                 .unwrap(),
             Claim::Completed { .. }
         ));
+    }
+
+    #[tokio::test]
+    async fn evicted_records_leave_no_queue_items_behind_for_long() {
+        // A budget of a few records per shard, and a day-long TTL.
+        let store = MemoryStore::new((SHARDS * 8 * 1100) as u64);
+        let fp = Fingerprint([0; 32]);
+        for i in 0..50_000u32 {
+            let mut k = [0u8; 32];
+            k[..4].copy_from_slice(&i.to_be_bytes());
+            let (key, owner) = (RecordKey(k), Owner(i as u128));
+            store
+                .claim(&key, &fp, owner, Duration::from_secs(30), None)
+                .await
+                .unwrap();
+            store
+                .complete(&key, owner, response(10), Duration::from_secs(86_400))
+                .await
+                .unwrap();
+        }
+        for shard in store.shared.shards.iter() {
+            lock(shard).sweep(Instant::now(), usize::MAX);
+        }
+        for shard in store.shared.shards.iter() {
+            let shard = lock(shard);
+            let bound = 2 * shard.entries.len() + 1024;
+            assert!(shard.entries.len() <= 16, "{}", shard.entries.len());
+            for queue in shard.deadlines.values() {
+                assert!(
+                    queue.len() <= bound,
+                    "{} queued for {} entries",
+                    queue.len(),
+                    shard.entries.len()
+                );
+            }
+            assert!(shard.completed.len() <= bound);
+        }
     }
 }
