@@ -321,3 +321,78 @@ async fn the_record_and_health_subcommands_talk_to_the_running_proxy() {
     assert_eq!(gone.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&gone.stdout).contains("absent"));
 }
+
+#[tokio::test]
+async fn metrics_count_every_outcome_by_route() {
+    let _ = captured();
+    let upstream = Upstream::start(|hit, seen| {
+        if seen.uri.contains("slow") {
+            Reply::created(hit).delayed(Duration::from_millis(400))
+        } else if seen.uri.contains("fail") {
+            Reply::Reset {
+                delay: Duration::from_millis(10),
+            }
+        } else if seen.uri.contains("big") {
+            Reply::status(201, &"b".repeat(4096))
+        } else {
+            Reply::created(hit)
+        }
+    })
+    .await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        r#"
+[server]
+max_request_body = "1KiB"
+[[route]]
+name = "orders"
+path = "/v1/orders"
+max_response_body = "1KiB"
+on_upstream_failure = "unknown"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    let url = |q: &str| proxy.url(&format!("/v1/orders{q}"));
+    let key = |k: &'static str| [("idempotency-key", k)];
+    client.send("POST", &url(""), &key("a"), "").await; // forwarded
+    client.send("POST", &url(""), &key("a"), "").await; // replayed
+    client.send("POST", &url(""), &key("a"), "other").await; // mismatch
+    client.send("POST", &url(""), &[], "").await; // key_missing
+    client.send("POST", &url(""), &key(""), "").await; // key_invalid
+    client.send("POST", &url(""), &key("b"), &"x".repeat(2048)).await; // too_large
+    client.send("POST", &url("?big"), &key("c"), "").await; // forwarded
+    client.send("POST", &url("?big"), &key("c"), "").await; // not_replayable
+    client.send("POST", &url("?fail"), &key("d"), "").await; // upstream_error
+    client.send("POST", &url("?fail"), &key("d"), "").await; // outcome_unknown
+    client.send("GET", &url(""), &[], "").await; // passthrough (the route's path, another method)
+    let slow = tokio::spawn({
+        let (client, url) = (client.clone(), url("?slow"));
+        async move { client.send("POST", &url, &[("idempotency-key", "e")], "").await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    client.send("POST", &url("?slow"), &key("e"), "").await; // in_flight
+    slow.await.unwrap();
+    let metrics = client
+        .send("GET", &format!("http://{}/metrics", proxy.admin.unwrap()), &[], "")
+        .await
+        .text();
+    for (route, outcome, n) in [
+        ("orders", "forwarded", 3),
+        ("orders", "upstream_error", 1),
+        ("orders", "replayed", 1),
+        ("orders", "mismatch", 1),
+        ("orders", "key_missing", 1),
+        ("orders", "key_invalid", 1),
+        ("orders", "too_large", 1),
+        ("orders", "not_replayable", 1),
+        ("orders", "outcome_unknown", 1),
+        ("orders", "in_flight", 1),
+        ("", "passthrough", 1),
+    ] {
+        let line = format!("idemgate_requests_total{{route=\"{route}\",outcome=\"{outcome}\"}} {n}");
+        assert!(metrics.contains(&line), "missing `{line}` in:\n{metrics}");
+    }
+    assert!(metrics.contains("idemgate_claims_in_flight 0"), "{metrics}");
+    assert!(metrics.contains("idemgate_stored_bytes"), "{metrics}");
+}

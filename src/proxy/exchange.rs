@@ -27,7 +27,8 @@ use super::forward::{UpstreamClient, strip_hop_by_hop};
 use super::problem::Problem;
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
 use crate::store::{Outcome, Owner, RecordKey, StoreHandle, StoredResponse};
-use crate::telemetry::Metrics;
+use crate::telemetry::{Metrics, Outcome as TelemetryOutcome, RouteCounters};
+use tracing::{Instrument, Span};
 
 /// Frames buffered between the exchange task and the client connection.
 const CHANNEL_FRAMES: usize = 16;
@@ -38,6 +39,9 @@ pub struct Exchange {
     pub store: StoreHandle,
     pub client: UpstreamClient,
     pub metrics: Arc<Metrics>,
+    /// The route's outcome counters: `forwarded` once the upstream answers,
+    /// `upstream_error` when it does not.
+    pub counters: Arc<RouteCounters>,
     pub policy: Arc<Policy>,
     pub key: RecordKey,
     pub owner: Owner,
@@ -269,7 +273,8 @@ enum Failure {
 /// Runs the exchange in its own task and returns the client's response.
 pub async fn run(tracker: &TaskTracker, exchange: Exchange) -> Response<ResponseBody> {
     let (reply, response) = oneshot::channel();
-    tracker.spawn(exchange.drive(reply));
+    // In the request's span, so its logs and outcome carry the route and key.
+    tracker.spawn(exchange.drive(reply).instrument(Span::current()));
     response
         .await
         .unwrap_or_else(|_| Problem::UpstreamUnavailable("the exchange ended unexpectedly".into()).response())
@@ -281,6 +286,7 @@ impl Exchange {
             store,
             client,
             metrics,
+            counters,
             policy,
             key,
             owner,
@@ -296,20 +302,26 @@ impl Exchange {
             .await;
         metrics.upstream_latency.observe(started.elapsed());
         let response = match sent {
-            Ok(Ok(response)) => response,
+            Ok(Ok(response)) => {
+                counters.count(TelemetryOutcome::Forwarded);
+                response
+            }
             Ok(Err(error)) if error.is_connect() => {
+                counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(key = %key.tag(), error = %error_chain(&error), "upstream unreachable");
                 guard.release().await;
                 let _ = reply.send(Problem::UpstreamUnavailable("the upstream cannot be reached".into()).response());
                 return;
             }
             Ok(Err(error)) => {
+                counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(key = %key.tag(), error = %error_chain(&error), "upstream failed after the request was sent");
                 let problem = fail(guard, &policy, Failure::Broken).await;
                 let _ = reply.send(problem.response());
                 return;
             }
             Err(_) => {
+                counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(key = %key.tag(), "upstream timed out");
                 let problem = fail(guard, &policy, Failure::Timeout).await;
                 let _ = reply.send(problem.response());

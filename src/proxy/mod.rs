@@ -339,7 +339,6 @@ impl Gateway {
         }
 
         // 6. The claimed exchange.
-        live.counters.count(Outcome::Forwarded);
         let mut request = Request::from_parts(parts, Either::Left(Full::new(body)));
         forward::prepare(&mut request, upstream, peer);
         let headers = request.headers_mut();
@@ -357,6 +356,7 @@ impl Gateway {
                 store: self.store.clone(),
                 client: self.client.clone(),
                 metrics: self.metrics.clone(),
+                counters: live.counters.clone(),
                 policy: policy.clone(),
                 key: record_key,
                 owner,
