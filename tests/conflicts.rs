@@ -108,7 +108,7 @@ async fn a_key_reused_for_another_request_gets_422() {
 
 #[tokio::test]
 async fn a_key_reused_while_in_flight_gets_422_and_the_same_request_409() {
-    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(500))).await;
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(1500))).await;
     let proxy = Proxy::start(&upstream.url(), ROUTES).await;
     let client = TestClient::default();
     let url = proxy.url("/v1/orders");
@@ -116,7 +116,7 @@ async fn a_key_reused_while_in_flight_gets_422_and_the_same_request_409() {
         let (client, url) = (client.clone(), url.clone());
         async move { client.post(&url, "k", r#"{"sku":1}"#).await }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let same = client.post(&url, "k", r#"{"sku":1}"#).await;
     assert_eq!(same.status, StatusCode::CONFLICT);
     assert_eq!(same.problem(), "request-in-flight");
@@ -160,12 +160,12 @@ wait_timeout = "5s"
     assert_eq!(replayed, 19);
     assert_eq!(upstream.hits(), 1);
     // Woken by the completion, not by a poll interval or the timeout.
-    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
 }
 
 #[tokio::test]
 async fn wait_mode_gives_up_with_409_after_wait_timeout() {
-    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(1500))).await;
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(2500))).await;
     let proxy = Proxy::start(
         &upstream.url(),
         r#"
@@ -183,7 +183,7 @@ wait_timeout = "300ms"
         let (client, url) = (client.clone(), url.clone());
         async move { client.post(&url, "slow", "{}").await }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let started = tokio::time::Instant::now();
     let waiter = client.post(&url, "slow", "{}").await;
     assert_eq!(waiter.status, StatusCode::CONFLICT);

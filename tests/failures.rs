@@ -275,7 +275,7 @@ async fn the_lease_of_a_crashed_proxy_runs_out_and_frees_the_key() {
             &scope_free_key,
             &Fingerprint([9; 32]),
             Owner::new(),
-            Duration::from_millis(400),
+            Duration::from_millis(1500),
             None,
         )
         .await
@@ -283,7 +283,7 @@ async fn the_lease_of_a_crashed_proxy_runs_out_and_frees_the_key() {
     assert_eq!(claim, Claim::Claimed);
     let held = client.post(&proxy.url("/v1/orders"), "crashed", "{}").await;
     assert_eq!(held.problem(), "key-reused", "the dead proxy's claim is still held");
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::time::sleep(Duration::from_millis(1600)).await;
     let freed = client.post(&proxy.url("/v1/orders"), "crashed", "{}").await;
     assert_eq!(freed.status, StatusCode::CREATED);
     assert_eq!(upstream.hits(), 1);

@@ -110,14 +110,14 @@ pub async fn records_expire_after_their_ttl(store: Arc<dyn Store>) {
     let owner = Owner::new();
     store.claim(&k, &A, owner, LONG, None).await.unwrap();
     store
-        .complete(&k, owner, response("x"), Duration::from_millis(300))
+        .complete(&k, owner, response("x"), Duration::from_millis(1000))
         .await
         .unwrap();
     assert!(matches!(
         store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap(),
         Claim::Completed { .. }
     ));
-    tokio::time::sleep(Duration::from_millis(450)).await;
+    tokio::time::sleep(Duration::from_millis(1300)).await;
     assert_eq!(
         store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap(),
         Claim::Claimed
@@ -127,18 +127,19 @@ pub async fn records_expire_after_their_ttl(store: Arc<dyn Store>) {
 pub async fn refresh_on_replay_restarts_the_ttl(store: Arc<dyn Store>) {
     let k = key();
     let owner = Owner::new();
-    let ttl = Duration::from_millis(500);
+    // Margins of a second: a loaded CI machine may stall a step that long.
+    let ttl = Duration::from_millis(1500);
     store.claim(&k, &A, owner, LONG, None).await.unwrap();
     store.complete(&k, owner, response("x"), ttl).await.unwrap();
     for _ in 0..3 {
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
         let claim = store.claim(&k, &A, Owner::new(), LONG, Some(ttl)).await.unwrap();
         assert!(matches!(claim, Claim::Completed { .. }), "{claim:?}");
     }
     // A different fingerprint does not refresh.
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     store.claim(&k, &B, Owner::new(), LONG, Some(ttl)).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(350)).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(
         store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap(),
         Claim::Claimed
@@ -189,10 +190,10 @@ pub async fn an_owner_whose_lease_ran_out_cannot_touch_its_successor(store: Arc<
 pub async fn renewal_keeps_a_claim_past_its_first_lease(store: Arc<dyn Store>) {
     let k = key();
     let owner = Owner::new();
-    let lease = Duration::from_millis(300);
+    let lease = Duration::from_millis(1000);
     store.claim(&k, &A, owner, lease, None).await.unwrap();
     for _ in 0..6 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(250)).await;
         assert!(store.renew(&k, owner, lease).await.unwrap());
     }
     assert!(matches!(
@@ -229,7 +230,7 @@ pub async fn waiters_wake_on_completion_and_release(store: Arc<dyn Store>) {
         }
         let waited = waiter.await.unwrap();
         // Woken by the notification, not by a re-check or the timeout.
-        assert!(waited < Duration::from_millis(450), "woken late: {waited:?}");
+        assert!(waited < Duration::from_millis(900), "woken late: {waited:?}");
         assert!(waited >= Duration::from_millis(150), "woken early: {waited:?}");
     }
 }

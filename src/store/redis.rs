@@ -431,8 +431,13 @@ impl Store for RedisStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         let invocation = self.scripts.peek.key("idemgate:{ping}");
-        let _: Option<(Vec<u8>, i64)> = self.invoke(&invocation).await?;
-        Ok(())
+        // A connection that broke while Redis was away fails its first
+        // command and reconnects: ask twice before calling Redis down.
+        if self.invoke::<Option<(Vec<u8>, i64)>>(&invocation).await.is_ok() {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.invoke::<Option<(Vec<u8>, i64)>>(&invocation).await.map(drop)
     }
 }
 
