@@ -332,7 +332,9 @@ impl Exchange {
         let (mut head, mut body) = response.into_parts();
         strip_hop_by_hop(&mut head.headers);
         let keep = !(head.status.is_server_error() && policy.on_server_error == OnServerError::Release);
-        let mut recorder = Recorder::new(usize::try_from(policy.max_response_body).unwrap_or(usize::MAX));
+        let limit = usize::try_from(policy.max_response_body).unwrap_or(usize::MAX);
+        // An answer that is not kept is recorded by a recorder that keeps nothing.
+        let mut recorder = Recorder::new(if keep { limit } else { 0 });
         let status = head.status;
         let headers = keep.then(|| stored_headers(&head.headers, &policy));
 
@@ -344,7 +346,7 @@ impl Exchange {
         let mut trailers: Option<HeaderMap> = None;
         let mut whole = body.is_end_stream();
         let mut yielded = false;
-        while !whole && early_len <= recorder.limit {
+        while !whole && early_len <= limit {
             match body.frame().now_or_never() {
                 // The upstream connection's task may not have passed the
                 // body on yet: let it run once, then stream what is missing.
@@ -373,9 +375,7 @@ impl Exchange {
             }
         }
         if whole && trailers.is_none() {
-            if keep {
-                early.iter().for_each(|data| recorder.push(data));
-            }
+            early.iter().for_each(|data| recorder.push(data));
             settle(guard, &policy, status, headers, recorder).await;
             let body = match early.len() {
                 0 | 1 => early.pop().unwrap_or_default(),
@@ -392,7 +392,7 @@ impl Exchange {
         let mut relay = Relay {
             client,
             held: None,
-            recorder: keep.then_some(recorder),
+            recorder,
             key,
             client_timeout,
         };
@@ -426,7 +426,6 @@ impl Exchange {
         let Relay {
             client, held, recorder, ..
         } = relay;
-        let recorder = recorder.unwrap_or_else(|| Recorder::new(0));
         settle(guard, &policy, status, headers, recorder).await;
         if let Some(tx) = client {
             let last = held.map(Frame::data).into_iter().chain(trailers.map(Frame::trailers));
@@ -445,7 +444,7 @@ impl Exchange {
 struct Relay {
     client: Option<BodySender>,
     held: Option<Bytes>,
-    recorder: Option<Recorder>,
+    recorder: Recorder,
     key: RecordKey,
     /// How long a client may take to accept a frame before it is cut off
     /// (and the exchange goes on recording without it).
@@ -457,9 +456,7 @@ impl Relay {
         if data.is_empty() {
             return;
         }
-        if let Some(recorder) = &mut self.recorder {
-            recorder.push(&data);
-        }
+        self.recorder.push(&data);
         let Some(tx) = &self.client else { return };
         let last = data.split_off(data.len() - 1);
         let previous = self.held.replace(last);

@@ -204,7 +204,7 @@ impl Gateway {
             Ok(k) => k,
             Err(problem) => {
                 return self
-                    .refuse(live, problem, parts, RequestBody::Streaming(body), peer)
+                    .refuse(live, problem, parts, Some(RequestBody::Streaming(body)), peer)
                     .await;
             }
         };
@@ -212,7 +212,7 @@ impl Gateway {
             if policy.key.required {
                 let problem = Problem::KeyMissing(format!("this route needs an {} header", policy.key.header));
                 return self
-                    .refuse(live, problem, parts, RequestBody::Streaming(body), peer)
+                    .refuse(live, problem, parts, Some(RequestBody::Streaming(body)), peer)
                     .await;
             }
             live.counters.count(Outcome::Passthrough);
@@ -224,12 +224,7 @@ impl Gateway {
         // 3. The body, buffered.
         let body = match self.read_body(&parts, body).await {
             Ok(bytes) => bytes,
-            Err((problem, Some(body))) => return self.refuse(live, problem, parts, body, peer).await,
-            // Part of the body is gone: even shadow mode cannot forward it.
-            Err((problem, None)) => {
-                live.counters.count(outcome_of(&problem));
-                return problem.response();
-            }
+            Err((problem, body)) => return self.refuse(live, problem, parts, body, peer).await,
         };
         let wants_json = policy.fingerprint.body == crate::config::BodyMode::Json
             || (header_key.is_none() && policy.key.derive.iter().any(|f| matches!(f, DeriveField::Body(_))));
@@ -252,7 +247,7 @@ impl Gateway {
                     Ok(k) => k,
                     Err(problem) => {
                         return self
-                            .refuse(live, problem, parts, RequestBody::Buffered(body), peer)
+                            .refuse(live, problem, parts, Some(RequestBody::Buffered(body)), peer)
                             .await;
                     }
                 }
@@ -334,7 +329,7 @@ impl Gateway {
                 }
             };
             return self
-                .refuse(live, problem, parts, RequestBody::Buffered(body), peer)
+                .refuse(live, problem, parts, Some(RequestBody::Buffered(body)), peer)
                 .await;
         }
 
@@ -369,19 +364,20 @@ impl Gateway {
     }
 
     /// Answers `problem`, or in shadow mode counts it and forwards anyway.
-    /// A store that is down with `on_error = "pass"` forwards too.
+    /// A store that is down with `on_error = "pass"` forwards too. A `body`
+    /// of `None` was partly read already, so it is never forwarded.
     async fn refuse(
         &self,
         live: &LiveRoute,
         problem: Problem,
         parts: Parts,
-        body: RequestBody,
+        body: Option<RequestBody>,
         peer: Peer,
     ) -> Response<ResponseBody> {
         let outcome = outcome_of(&problem);
         let upstream = self.config.upstream_of(&live.route);
         let pass = problem == Problem::StoreUnavailable && self.config.store.on_error == OnStoreError::Pass;
-        if live.policy.mode == Mode::Shadow || pass {
+        if let Some(body) = body.filter(|_| live.policy.mode == Mode::Shadow || pass) {
             live.counters.count(if pass { outcome } else { outcome.shadowed() });
             return self
                 .forward(Request::from_parts(parts, body.into()), upstream, peer)

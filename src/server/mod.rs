@@ -19,7 +19,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::proxy::{Gateway, Peer};
-use crate::store::{OpenError, StoreHandle};
+use crate::store::StoreHandle;
 use crate::telemetry::Metrics;
 
 #[derive(Debug, thiserror::Error)]
@@ -30,8 +30,6 @@ pub enum ServerError {
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot open the store")]
-    Store(#[from] OpenError),
     #[error("TLS setup failed")]
     Tls(#[from] tls::TlsError),
 }
@@ -132,12 +130,6 @@ fn listener(std: std::net::TcpListener) -> Result<TcpListener, ServerError> {
 }
 
 impl Server {
-    /// Opens the configured store and binds the listeners.
-    pub async fn bind(config: Config) -> Result<Server, ServerError> {
-        let store = StoreHandle::open(&config.store)?;
-        Server::bind_with_store(config, store).await
-    }
-
     /// Binds the listeners around an already opened store: one accept loop
     /// on the current runtime.
     pub async fn bind_with_store(config: Config, store: StoreHandle) -> Result<Server, ServerError> {
