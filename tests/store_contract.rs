@@ -379,3 +379,46 @@ async fn embedded_sweeps_expired_records_from_the_file() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Completions nobody waits on cost Redis no PUBLISH; a waited-on one does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_announces_only_records_someone_waits_on() {
+    use futures_util::StreamExt;
+    let server = support::redis::RedisServer::start();
+    let store = Arc::new(RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap());
+    let mut pubsub = ::redis::Client::open(server.url())
+        .unwrap()
+        .get_async_pubsub()
+        .await
+        .unwrap();
+    pubsub.subscribe("idemgate:done").await.unwrap();
+
+    let (unwatched, owner) = (key(), Owner::new());
+    store.claim(&unwatched, &A, owner, LONG, None).await.unwrap();
+    assert!(store.complete(&unwatched, owner, response("x"), LONG).await.unwrap());
+
+    let (watched, owner) = (key(), Owner::new());
+    store.claim(&watched, &A, owner, LONG, None).await.unwrap();
+    let waiter = tokio::spawn({
+        let store = store.clone();
+        async move { store.wait(&watched, Duration::from_secs(10)).await.unwrap() }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(store.complete(&watched, owner, response("x"), LONG).await.unwrap());
+    waiter.await.unwrap();
+
+    let mut messages = pubsub.on_message();
+    let first = tokio::time::timeout(Duration::from_secs(2), messages.next())
+        .await
+        .expect("the waited-on completion is announced")
+        .unwrap();
+    let payload = first.get_payload_bytes().to_vec();
+    assert!(
+        String::from_utf8(payload)
+            .unwrap()
+            .contains(&hex::encode(&watched.0[..8])),
+        "the first announcement is the waited-on record"
+    );
+    let more = tokio::time::timeout(Duration::from_millis(300), messages.next()).await;
+    assert!(more.is_err(), "nothing else was announced");
+}

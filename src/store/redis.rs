@@ -8,10 +8,15 @@
 //! Every operation is one round trip. A claim is `SET ... NX PX ... GET`
 //! (Redis 7), or, when a replay must refresh the TTL in the same step or
 //! the server is older, a Lua script (`EVALSHA`, cached by SHA). Completion,
-//! release and renewal are scripts that check the owner token first. Completion and release `PUBLISH` the record key on
-//! one channel; each process keeps one subscription to it and wakes its
-//! local waiters, re-checking the record at least every second in case a
-//! message was lost.
+//! release and renewal are scripts that check the owner token first.
+//!
+//! Waiting across replicas: a waiter marks the record with a flag key,
+//! `idemgate:{<sha-256 hex>}:w` (same slot), in the script that reads the
+//! record. Completion, release and purge delete the flag and, only if it
+//! was there, `PUBLISH` the record key on one channel; each process keeps
+//! one subscription to it and wakes its local waiters, re-checking the
+//! record at least every second in case a message was lost. Requests that
+//! nobody waits on publish nothing.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,17 +58,24 @@ local v = redis.call('GET', KEYS[1])
 if not v or string.byte(v, 2) ~= 0 or string.sub(v, 35, 50) ~= ARGV[1] then return nil end
 ";
 
-const COMPLETE: &str = r"
-redis.call('SET', KEYS[1], string.sub(ARGV[2], 1, 2) .. string.sub(v, 3, 34) .. string.sub(ARGV[2], 35), 'PX', ARGV[3])
-redis.call('PUBLISH', ARGV[4], KEYS[1])
-return 1
-";
+/// Wakes the waiters of KEYS[1], if any flagged it (KEYS[2]), on ARGV[n].
+macro_rules! announce {
+    ($channel:literal) => {
+        concat!(
+            "if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('DEL', KEYS[2]) redis.call('PUBLISH', ARGV[",
+            $channel,
+            "], KEYS[1]) end\n"
+        )
+    };
+}
 
-const RELEASE: &str = r"
-redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[2], KEYS[1])
-return 1
-";
+const COMPLETE: &str = concat!(
+    "redis.call('SET', KEYS[1], string.sub(ARGV[2], 1, 2) .. string.sub(v, 3, 34) .. string.sub(ARGV[2], 35), 'PX', ARGV[3])\n",
+    announce!("4"),
+    "return 1\n"
+);
+
+const RELEASE: &str = concat!("redis.call('DEL', KEYS[1])\n", announce!("2"), "return 1\n");
 
 const RENEW: &str = r"
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -76,11 +88,17 @@ if not v then return false end
 return {v, redis.call('PTTL', KEYS[1])}
 ";
 
-const PURGE: &str = r"
-local n = redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[1], KEYS[1])
-return n
+/// PEEK, and when the record is in flight, flag it as waited on for a
+/// little longer than its lease.
+const WATCH: &str = r"
+local v = redis.call('GET', KEYS[1])
+if not v then return false end
+local pttl = redis.call('PTTL', KEYS[1])
+if string.byte(v, 2) == 0 then redis.call('SET', KEYS[2], '1', 'PX', math.max(pttl, 0) + 1000) end
+return {v, pttl}
 ";
+
+const PURGE: &str = concat!("local n = redis.call('DEL', KEYS[1])\n", announce!("1"), "return n\n");
 
 struct Scripts {
     claim: Script,
@@ -88,6 +106,7 @@ struct Scripts {
     release: Script,
     renew: Script,
     peek: Script,
+    watch: Script,
     purge: Script,
 }
 
@@ -99,6 +118,7 @@ impl Scripts {
             release: Script::new(&format!("{OWNED}{RELEASE}")),
             renew: Script::new(&format!("{OWNED}{RENEW}")),
             peek: Script::new(PEEK),
+            watch: Script::new(WATCH),
             purge: Script::new(PURGE),
         }
     }
@@ -203,6 +223,11 @@ fn ms(d: Duration) -> u64 {
 /// The Redis key of a record.
 fn redis_key(key: &RecordKey) -> String {
     format!("idemgate:{{{}}}", hex::encode(key.0))
+}
+
+/// The key that flags a record as waited on: in the record's slot.
+fn flag_key(key: &RecordKey) -> String {
+    format!("idemgate:{{{}}}:w", hex::encode(key.0))
 }
 
 fn record_key_of(redis_key: &[u8]) -> Option<RecordKey> {
@@ -320,7 +345,7 @@ impl RedisStore {
 
     async fn owned(&self, script: &Script, key: &RecordKey, owner: Owner, args: &[&[u8]]) -> Result<bool, StoreError> {
         let mut invocation = script.key(redis_key(key));
-        invocation.arg(&codec::owner_bytes(owner)[..]);
+        invocation.key(flag_key(key)).arg(&codec::owner_bytes(owner)[..]);
         for arg in args {
             invocation.arg(*arg);
         }
@@ -392,7 +417,9 @@ impl Store for RedisStore {
         let notified = registration.notify.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        let found: Option<(Vec<u8>, i64)> = self.invoke(&self.scripts.peek.key(redis_key(key))).await?;
+        let mut watch = self.scripts.watch.key(redis_key(key));
+        watch.key(flag_key(key));
+        let found: Option<(Vec<u8>, i64)> = self.invoke(&watch).await?;
         let Some((record, pttl)) = found else {
             return Ok(());
         };
@@ -424,7 +451,7 @@ impl Store for RedisStore {
 
     async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
         let mut invocation = self.scripts.purge.key(redis_key(key));
-        invocation.arg(CHANNEL);
+        invocation.key(flag_key(key)).arg(CHANNEL);
         let removed: i64 = self.invoke(&invocation).await?;
         Ok(removed == 1)
     }
