@@ -1,26 +1,43 @@
-//! The embedded store: one durable redb file.
+//! The embedded store: a redb file with a write-ahead log beside it.
 //!
 //! One writer thread owns every write. Requests send it their operation with
-//! a reply channel; it takes everything queued, applies it in one write
-//! transaction, commits once (an fsync), and only then answers the whole
-//! batch (group commit). A claim is therefore durable before its request is
-//! forwarded, and a completion before the last byte of its response leaves.
+//! a reply channel; it takes everything queued, decides each operation,
+//! appends the resulting records to the write-ahead log, syncs the log once
+//! (`fdatasync`), and only then publishes the batch and answers it (group
+//! commit). A claim is therefore durable before its request is forwarded,
+//! and a completion before the last byte of its response leaves.
 //!
-//! Replays of completed records are read in a read transaction without
-//! going through the writer. Leases and TTLs are wall-clock deadlines in
-//! the record, so a claim of a crashed process runs out after a restart.
-//! An expired record is ignored at once and removed by the writer's sweep,
-//! which walks the table a bounded batch at a time (a cursor that wraps
-//! around), so no second index has to be written on every operation.
+//! Records the log holds but the database does not yet are kept in memory
+//! (the overlay) and read from there first. About once a second, or sooner
+//! when the overlay grows, the writer starts a new log segment and hands the
+//! overlay to the checkpoint thread, which writes it into the redb file in
+//! one durable transaction and then deletes the segments it covered. So a
+//! request costs an append to the log, and redb sees each record once, in
+//! transactions of thousands. On open, segments left by a crash are applied
+//! to the file before anything else happens.
+//!
+//! Log segments are named `<path>-wal.<n>`; each entry carries its length
+//! and a CRC-32, and a torn entry at the end of a segment (a crash in the
+//! middle of an append) is ignored: it was never acknowledged.
+//!
+//! Replays of completed records are read from the overlay or a read
+//! transaction without going through the writer. Leases and TTLs are
+//! wall-clock deadlines in the record, so a claim of a crashed process runs
+//! out after a restart. An expired record is ignored at once and removed by
+//! the checkpoint thread's sweep, which walks the table a bounded batch at a
+//! time (a cursor that wraps around), so no second index is kept.
 
-use std::path::Path;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc as std_mpsc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, Table, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 use tokio::sync::oneshot;
 
 use super::codec::{self, Decoded};
@@ -30,8 +47,14 @@ use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreE
 /// Record key -> deadline (ms since the epoch, big-endian) ++ encoded record.
 const RECORDS: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("records");
 
-/// Most operations applied in one transaction.
+/// Most operations decided and synced together.
 const MAX_BATCH: usize = 1024;
+/// The overlay is checkpointed this often, or when it holds this much.
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+const CHECKPOINT_BYTES: usize = 32 << 20;
+/// While a checkpoint runs, the writer goes on until the overlay holds this
+/// much, then waits for the checkpoint: memory stays bounded.
+const OVERLAY_LIMIT: usize = 4 * CHECKPOINT_BYTES;
 /// How often the sweep runs, and how many records it looks at each time.
 const SWEEP_EVERY: Duration = Duration::from_millis(500);
 const SWEEP_BATCH: usize = 4096;
@@ -50,6 +73,10 @@ fn unavailable(e: impl std::error::Error + Send + Sync + 'static) -> StoreError 
     StoreError::Unavailable(Box::new(e))
 }
 
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 #[derive(Debug, thiserror::Error)]
 #[error("the embedded store's writer has stopped")]
 struct WriterGone;
@@ -61,6 +88,9 @@ enum Op {
         owner: Owner,
         lease: u64,
         refresh: Option<u64>,
+        /// The claimant found no record, neither in the overlay nor in the
+        /// file, when the overlay was at this generation.
+        absent_at: Option<u64>,
         reply: oneshot::Sender<Result<Claim, StoreError>>,
     },
     Complete {
@@ -87,8 +117,75 @@ enum Op {
     },
 }
 
+/// Records by key; `None` is a removal not yet in the file.
+type Changes = HashMap<[u8; 32], Option<Bytes>>;
+
+/// Records the log holds and the file may not: `active` is being written,
+/// `frozen` is being checkpointed. Newer wins: active, then frozen, then
+/// the file.
+#[derive(Default)]
+struct Overlay {
+    active: Changes,
+    active_bytes: usize,
+    frozen: Arc<Changes>,
+    /// How many checkpoints have landed. While it stays the same, every
+    /// change made since a lookup is still in the overlay.
+    generation: u64,
+}
+
+/// What a lookup found, and from which generation of the overlay.
+struct Found {
+    stored: Option<Stored>,
+    generation: u64,
+}
+
+/// What the request side, the writer and the checkpoint thread share.
+struct Shared {
+    db: Database,
+    overlay: Mutex<Overlay>,
+    /// Signalled when a checkpoint finishes.
+    checkpointed: Condvar,
+}
+
+impl Shared {
+    /// The record under `key`, newest first, expired or not.
+    fn lookup(&self, key: &RecordKey) -> Result<Option<Stored>, StoreError> {
+        Ok(self.find(key, None)?.stored)
+    }
+
+    /// The record under `key`. With `absent_at`, a record that is not in
+    /// the overlay is known to be absent from the file as long as no
+    /// checkpoint landed since that generation, and the file is not read.
+    fn find(&self, key: &RecordKey, absent_at: Option<u64>) -> Result<Found, StoreError> {
+        let generation = {
+            let overlay = lock(&self.overlay);
+            if let Some(change) = overlay.active.get(&key.0).or_else(|| overlay.frozen.get(&key.0)) {
+                let stored = change.as_deref().map(split).transpose()?;
+                return Ok(Found {
+                    stored,
+                    generation: overlay.generation,
+                });
+            }
+            if absent_at == Some(overlay.generation) {
+                return Ok(Found {
+                    stored: None,
+                    generation: overlay.generation,
+                });
+            }
+            overlay.generation
+        };
+        // Opened after the overlay missed: a checkpoint that emptied the
+        // overlay meanwhile has committed, and this transaction sees it.
+        let txn = self.db.begin_read().map_err(unavailable)?;
+        let table = txn.open_table(RECORDS).map_err(unavailable)?;
+        let found = table.get(&key.0).map_err(unavailable)?;
+        let stored = found.map(|v| split(v.value())).transpose()?;
+        Ok(Found { stored, generation })
+    }
+}
+
 pub struct EmbeddedStore {
-    db: Arc<Database>,
+    shared: Arc<Shared>,
     ops: std_mpsc::Sender<Op>,
     waiters: Arc<Waiters>,
 }
@@ -109,42 +206,89 @@ fn split(value: &[u8]) -> Result<Stored, StoreError> {
     })
 }
 
+fn value(deadline: u64, record: &[u8]) -> Bytes {
+    let mut value = Vec::with_capacity(8 + record.len());
+    value.extend_from_slice(&deadline.to_be_bytes());
+    value.extend_from_slice(record);
+    value.into()
+}
+
 impl EmbeddedStore {
-    /// Opens (or creates) the file at `path` and starts the writer thread.
+    /// Opens (or creates) the file at `path`, applies the log a crash left
+    /// behind, and starts the writer and checkpoint threads.
     pub fn open(path: &Path) -> Result<EmbeddedStore, StoreError> {
         let db = Database::create(path).map_err(unavailable)?;
+        let segments = Wal::segments(path).map_err(unavailable)?;
         {
             let txn = db.begin_write().map_err(unavailable)?;
-            txn.open_table(RECORDS).map_err(unavailable)?;
+            {
+                let mut table = txn.open_table(RECORDS).map_err(unavailable)?;
+                for (_, segment) in &segments {
+                    let bytes = fs::read(segment).map_err(unavailable)?;
+                    for (key, change) in Wal::entries(&bytes) {
+                        match change {
+                            Some(value) => table.insert(key, value),
+                            None => table.remove(key),
+                        }
+                        .map_err(unavailable)?;
+                    }
+                }
+            }
             txn.commit().map_err(unavailable)?;
         }
-        let db = Arc::new(db);
+        let next = segments.last().map_or(1, |(n, _)| n + 1);
+        Wal::remove(path, segments.iter().map(|(n, _)| *n)).map_err(unavailable)?;
+        let wal = Wal::create(path, next).map_err(unavailable)?;
+
+        let shared = Arc::new(Shared {
+            db,
+            overlay: Mutex::new(Overlay::default()),
+            checkpointed: Condvar::new(),
+        });
         let waiters = Arc::new(Waiters::default());
         let (ops, rx) = std_mpsc::channel();
+        let (checkpoints, checkpoint_rx) = std_mpsc::channel();
         let writer = Writer {
-            db: db.clone(),
+            shared: shared.clone(),
             waiters: waiters.clone(),
+            wal,
+            checkpoints,
+            last_checkpoint: Instant::now(),
+        };
+        let checkpointer = Checkpointer {
+            shared: shared.clone(),
+            path: path.to_owned(),
             sweep_from: None,
         };
+        std::thread::Builder::new()
+            .name("idemgate-embedded-checkpoint".into())
+            .spawn(move || checkpointer.run(checkpoint_rx))
+            .map_err(unavailable)?;
         std::thread::Builder::new()
             .name("idemgate-embedded-writer".into())
             .spawn(move || writer.run(rx))
             .map_err(unavailable)?;
-        Ok(EmbeddedStore { db, ops, waiters })
+        Ok(EmbeddedStore { shared, ops, waiters })
     }
 
-    /// How many records the file holds, expired ones not yet swept included.
+    /// How many records the store holds, expired ones not yet swept
+    /// included.
     pub fn records(&self) -> Result<u64, StoreError> {
-        let txn = self.db.begin_read().map_err(unavailable)?;
+        let overlay = lock(&self.shared.overlay);
+        let txn = self.shared.db.begin_read().map_err(unavailable)?;
         let table = txn.open_table(RECORDS).map_err(unavailable)?;
-        table.len().map_err(unavailable)
-    }
-
-    fn read(&self, key: &RecordKey) -> Result<Option<Stored>, StoreError> {
-        let txn = self.db.begin_read().map_err(unavailable)?;
-        let table = txn.open_table(RECORDS).map_err(unavailable)?;
-        let found = table.get(&key.0).map_err(unavailable)?;
-        found.map(|v| split(v.value())).transpose()
+        let mut count = table.len().map_err(unavailable)?;
+        let mut newest = overlay.frozen.as_ref().clone();
+        newest.extend(overlay.active.iter().map(|(k, v)| (*k, v.clone())));
+        for (key, change) in &newest {
+            let in_file = table.get(key).map_err(unavailable)?.is_some();
+            match (change.is_some(), in_file) {
+                (true, false) => count += 1,
+                (false, true) => count -= 1,
+                _ => {}
+            }
+        }
+        Ok(count)
     }
 
     async fn send<T>(&self, op: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> Op) -> Result<T, StoreError> {
@@ -165,8 +309,10 @@ impl Store for EmbeddedStore {
         refresh_ttl: Option<Duration>,
     ) -> Result<Claim, StoreError> {
         // A completed record changes only by expiring: answer replays (that
-        // refresh nothing) from a read transaction, without the writer.
-        if let Some(stored) = self.read(key)?
+        // refresh nothing) from what is published, without the writer.
+        let found = self.shared.find(key, None)?;
+        let absent_at = found.stored.is_none().then_some(found.generation);
+        if let Some(stored) = found.stored
             && stored.deadline > now_ms()
             && let Decoded::Completed {
                 fingerprint: found,
@@ -186,6 +332,7 @@ impl Store for EmbeddedStore {
             owner,
             lease: ms(lease),
             refresh: refresh_ttl.map(ms),
+            absent_at,
             reply,
         })
         .await
@@ -230,7 +377,7 @@ impl Store for EmbeddedStore {
         let notified = registration.notify.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        let Some(stored) = self.read(key)? else {
+        let Some(stored) = self.shared.lookup(key)? else {
             return Ok(());
         };
         let now = now_ms();
@@ -244,12 +391,12 @@ impl Store for EmbeddedStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        self.db.begin_read().map(drop).map_err(unavailable)
+        self.shared.db.begin_read().map(drop).map_err(unavailable)
     }
 
     async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
         let now = now_ms();
-        match self.read(key)? {
+        match self.shared.lookup(key)? {
             Some(stored) if stored.deadline > now => Ok(Some((
                 codec::decode(stored.record)?,
                 Duration::from_millis(stored.deadline - now),
@@ -264,15 +411,130 @@ impl Store for EmbeddedStore {
     }
 }
 
-/// The thread that owns every write.
-struct Writer {
-    db: Arc<Database>,
-    waiters: Arc<Waiters>,
-    /// Where the next sweep starts; `None`: at the beginning.
-    sweep_from: Option<[u8; 32]>,
+/// The write-ahead log: numbered segment files beside the database, each
+/// entry `len: u32, crc32: u32, key: [u8; 32], kind: u8, value`.
+struct Wal {
+    path: PathBuf,
+    segment: u64,
+    file: File,
 }
 
-/// An answer held until the batch's commit succeeds.
+const PUT: u8 = 1;
+const REMOVE: u8 = 0;
+
+impl Wal {
+    fn segment_path(path: &Path, n: u64) -> PathBuf {
+        let mut name = path.as_os_str().to_owned();
+        name.push(format!("-wal.{n:06}"));
+        PathBuf::from(name)
+    }
+
+    /// The segments beside `path`, oldest first.
+    fn segments(path: &Path) -> std::io::Result<Vec<(u64, PathBuf)>> {
+        let dir = parent(path);
+        let prefix = format!("{}-wal.", path.file_name().unwrap_or_default().to_string_lossy());
+        let mut found = Vec::new();
+        for entry in fs::read_dir(dir)? {
+            let entry = entry?;
+            let name = entry.file_name();
+            if let Some(n) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix(&prefix))
+                .and_then(|n| n.parse().ok())
+            {
+                found.push((n, entry.path()));
+            }
+        }
+        found.sort();
+        Ok(found)
+    }
+
+    /// Creates segment `n`, durably: its directory entry is synced too.
+    fn create(path: &Path, n: u64) -> std::io::Result<Wal> {
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(Wal::segment_path(path, n))?;
+        File::open(parent(path))?.sync_all()?;
+        Ok(Wal {
+            path: path.to_owned(),
+            segment: n,
+            file,
+        })
+    }
+
+    /// Removes segments `ns`, then syncs the directory.
+    fn remove(path: &Path, ns: impl IntoIterator<Item = u64>) -> std::io::Result<()> {
+        let mut any = false;
+        for n in ns {
+            fs::remove_file(Wal::segment_path(path, n))?;
+            any = true;
+        }
+        if any {
+            File::open(parent(path))?.sync_all()?;
+        }
+        Ok(())
+    }
+
+    fn encode(buf: &mut Vec<u8>, key: &[u8; 32], change: Option<&[u8]>) {
+        let value = change.unwrap_or_default();
+        let len = u32::try_from(33 + value.len()).expect("a record is far below 4 GiB");
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(key);
+        crc.update(&[if change.is_some() { PUT } else { REMOVE }]);
+        crc.update(value);
+        buf.extend_from_slice(&len.to_le_bytes());
+        buf.extend_from_slice(&crc.finalize().to_le_bytes());
+        buf.extend_from_slice(key);
+        buf.push(if change.is_some() { PUT } else { REMOVE });
+        buf.extend_from_slice(value);
+    }
+
+    /// The entries of a segment, up to the first torn or damaged one.
+    fn entries(mut bytes: &[u8]) -> impl Iterator<Item = (&[u8; 32], Option<&[u8]>)> {
+        std::iter::from_fn(move || {
+            let len = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
+            let crc = u32::from_le_bytes(bytes.get(4..8)?.try_into().ok()?);
+            let body = bytes.get(8..8 + len).filter(|b| b.len() >= 33)?;
+            if crc32fast::hash(body) != crc {
+                return None;
+            }
+            bytes = &bytes[8 + len..];
+            let key: &[u8; 32] = body[..32].try_into().ok()?;
+            match body[32] {
+                PUT => Some((key, Some(&body[33..]))),
+                REMOVE => Some((key, None)),
+                _ => None,
+            }
+        })
+    }
+
+    /// Appends `buf` and syncs it.
+    fn append(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        self.file.write_all(buf)?;
+        self.file.sync_data()
+    }
+}
+
+fn parent(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
+}
+
+/// The thread that owns every write.
+struct Writer {
+    shared: Arc<Shared>,
+    waiters: Arc<Waiters>,
+    wal: Wal,
+    /// To the checkpoint thread: an overlay and the segments below which
+    /// it covers.
+    checkpoints: std_mpsc::Sender<(Arc<Changes>, u64)>,
+    last_checkpoint: Instant,
+}
+
+/// An answer held until the batch is synced.
 enum Pending {
     Claim(oneshot::Sender<Result<Claim, StoreError>>, Result<Claim, StoreError>),
     Flag(
@@ -284,10 +546,9 @@ enum Pending {
 
 impl Writer {
     fn run(mut self, ops: std_mpsc::Receiver<Op>) {
-        let mut last_sweep = std::time::Instant::now();
         loop {
             let mut batch = Vec::new();
-            match ops.recv_timeout(SWEEP_EVERY) {
+            match ops.recv_timeout(CHECKPOINT_EVERY) {
                 Ok(op) => batch.push(op),
                 Err(std_mpsc::RecvTimeoutError::Timeout) => {}
                 Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
@@ -298,58 +559,99 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            let sweep = last_sweep.elapsed() >= SWEEP_EVERY;
-            if sweep {
-                last_sweep = std::time::Instant::now();
+            if !batch.is_empty() {
+                self.apply(batch);
             }
-            if batch.is_empty() && !sweep {
-                continue;
-            }
-            self.apply(batch, sweep);
+            self.maybe_checkpoint();
         }
     }
 
-    /// Applies a batch in one transaction and answers it after the commit.
-    fn apply(&mut self, batch: Vec<Op>, sweep: bool) {
-        let mut pending = Vec::with_capacity(batch.len());
-        let committed = (|| -> Result<(), StoreError> {
-            let txn = self.db.begin_write().map_err(unavailable)?;
-            {
-                let mut records = txn.open_table(RECORDS).map_err(unavailable)?;
-                let mut tables = Tables {
-                    records: &mut records,
-                    now: now_ms(),
-                };
-                for op in batch {
-                    pending.push(tables.apply(op));
+    /// Decides a batch, logs and syncs it, publishes it, then answers it.
+    fn apply(&mut self, batch: Vec<Op>) {
+        let mut changes = Batch {
+            shared: &self.shared,
+            changes: Changes::new(),
+            log: Vec::new(),
+            now: now_ms(),
+        };
+        let pending: Vec<Pending> = batch.into_iter().map(|op| changes.apply(op)).collect();
+        let Batch { changes, log, .. } = changes;
+        let synced = if log.is_empty() {
+            Ok(())
+        } else {
+            self.wal.append(&log).map_err(|error| {
+                tracing::error!(%error, "appending to the embedded store's log failed");
+                // The segment may end in a torn entry now, which would hide
+                // anything after it: go on in a new segment.
+                match Wal::create(&self.wal.path, self.wal.segment + 1) {
+                    Ok(wal) => self.wal = wal,
+                    Err(error) => tracing::error!(%error, "starting a new log segment failed"),
                 }
-                if sweep {
-                    match tables.sweep(self.sweep_from) {
-                        Ok(next) => self.sweep_from = next,
-                        Err(error) => tracing::warn!(%error, "sweeping expired records failed"),
-                    }
-                }
+                StoreError::Unavailable(error.to_string().into())
+            })
+        };
+        if synced.is_ok() && !changes.is_empty() {
+            let mut overlay = lock(&self.shared.overlay);
+            for (key, change) in changes {
+                let size = change.as_ref().map_or(0, Bytes::len) + 64;
+                overlay.active.insert(key, change);
+                overlay.active_bytes += size;
             }
-            txn.commit().map_err(unavailable)
-        })();
+        }
         for answer in pending {
             match answer {
                 Pending::Claim(reply, result) => {
-                    let _ = reply.send(committed.as_ref().map_err(copy_error).and(result));
+                    let _ = reply.send(synced.as_ref().map_err(copy_error).and(result));
                 }
                 Pending::Flag(reply, result, wake) => {
-                    if committed.is_ok()
+                    if synced.is_ok()
                         && let Some(key) = wake
                     {
                         self.waiters.wake(&key);
                     }
-                    let _ = reply.send(committed.as_ref().map_err(copy_error).and(result));
+                    let _ = reply.send(synced.as_ref().map_err(copy_error).and(result));
                 }
             }
         }
-        if let Err(error) = &committed {
-            tracing::error!(%error, "embedded store commit failed");
+    }
+
+    /// Hands the overlay to the checkpoint thread when it is due and the
+    /// last checkpoint is done; waits for that one when the overlay is
+    /// over its limit.
+    fn maybe_checkpoint(&mut self) {
+        let mut overlay = lock(&self.shared.overlay);
+        if overlay.active.is_empty() {
+            return;
         }
+        let due = overlay.active_bytes >= CHECKPOINT_BYTES || self.last_checkpoint.elapsed() >= CHECKPOINT_EVERY;
+        if !due {
+            return;
+        }
+        while !overlay.frozen.is_empty() {
+            if overlay.active_bytes < OVERLAY_LIMIT {
+                return;
+            }
+            overlay = self
+                .shared
+                .checkpointed
+                .wait(overlay)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        let next = match Wal::create(&self.wal.path, self.wal.segment + 1) {
+            Ok(wal) => wal,
+            Err(error) => {
+                tracing::error!(%error, "starting a new log segment failed; checkpoint postponed");
+                return;
+            }
+        };
+        let covered_below = next.segment;
+        self.wal = next;
+        overlay.frozen = Arc::new(std::mem::take(&mut overlay.active));
+        overlay.active_bytes = 0;
+        let frozen = overlay.frozen.clone();
+        drop(overlay);
+        self.last_checkpoint = Instant::now();
+        let _ = self.checkpoints.send((frozen, covered_below));
     }
 }
 
@@ -357,25 +659,39 @@ fn copy_error(error: &StoreError) -> StoreError {
     StoreError::Unavailable(error.to_string().into())
 }
 
-struct Tables<'a, 't> {
-    records: &'a mut Table<'t, &'static [u8; 32], &'static [u8]>,
+/// One batch being decided: its own changes first, then the store's.
+struct Batch<'a> {
+    shared: &'a Shared,
+    changes: Changes,
+    log: Vec<u8>,
     now: u64,
 }
 
-impl Tables<'_, '_> {
+impl Batch<'_> {
     /// The live record under `key`; an expired one counts as absent.
     fn live(&self, key: &RecordKey) -> Result<Option<Stored>, StoreError> {
-        let found = self.records.get(&key.0).map_err(unavailable)?;
-        let stored = found.map(|v| split(v.value())).transpose()?;
+        self.live_unless(key, None)
+    }
+
+    /// [`Batch::live`], skipping the file when it is known not to hold
+    /// `key` (see [`Shared::find`]).
+    fn live_unless(&self, key: &RecordKey, absent_at: Option<u64>) -> Result<Option<Stored>, StoreError> {
+        let stored = match self.changes.get(&key.0) {
+            Some(change) => change.as_deref().map(split).transpose()?,
+            None => self.shared.find(key, absent_at)?.stored,
+        };
         Ok(stored.filter(|s| s.deadline > self.now))
     }
 
-    fn put(&mut self, key: &RecordKey, deadline: u64, record: &[u8]) -> Result<(), StoreError> {
-        let mut value = Vec::with_capacity(8 + record.len());
-        value.extend_from_slice(&deadline.to_be_bytes());
-        value.extend_from_slice(record);
-        self.records.insert(&key.0, value.as_slice()).map_err(unavailable)?;
-        Ok(())
+    fn put(&mut self, key: &RecordKey, deadline: u64, record: &[u8]) {
+        let value = value(deadline, record);
+        Wal::encode(&mut self.log, &key.0, Some(&value));
+        self.changes.insert(key.0, Some(value));
+    }
+
+    fn remove(&mut self, key: &RecordKey) {
+        Wal::encode(&mut self.log, &key.0, None);
+        self.changes.insert(key.0, None);
     }
 
     /// The live in-flight record of `key` if `owner` holds it.
@@ -394,8 +710,9 @@ impl Tables<'_, '_> {
                 owner,
                 lease,
                 refresh,
+                absent_at,
                 reply,
-            } => Pending::Claim(reply, self.claim(&key, &fingerprint, owner, lease, refresh)),
+            } => Pending::Claim(reply, self.claim(&key, &fingerprint, owner, lease, refresh, absent_at)),
             Op::Complete {
                 key,
                 owner,
@@ -408,23 +725,26 @@ impl Tables<'_, '_> {
                     Some(held) => {
                         let fingerprint = codec::fingerprint_of(&held.record)?;
                         let record = codec::completed(&fingerprint, &outcome);
-                        self.put(&key, self.now.saturating_add(ttl), &record)?;
+                        self.put(&key, self.now.saturating_add(ttl), &record);
                         Ok(true)
                     }
                 });
                 Pending::Flag(reply, result, Some(key))
             }
             Op::Release { key, owner, reply } => {
-                let result = self.owned(&key, owner).and_then(|held| match held {
-                    None => Ok(false),
-                    Some(_) => self.records.remove(&key.0).map(|_| true).map_err(unavailable),
+                let result = self.owned(&key, owner).map(|held| {
+                    let held = held.is_some();
+                    if held {
+                        self.remove(&key);
+                    }
+                    held
                 });
                 Pending::Flag(reply, result, Some(key))
             }
             Op::Purge { key, reply } => {
-                let result = self.live(&key).and_then(|found| {
-                    self.records.remove(&key.0).map_err(unavailable)?;
-                    Ok(found.is_some())
+                let result = self.live(&key).map(|found| {
+                    self.remove(&key);
+                    found.is_some()
                 });
                 Pending::Flag(reply, result, Some(key))
             }
@@ -434,12 +754,11 @@ impl Tables<'_, '_> {
                 lease,
                 reply,
             } => {
-                let result = self.owned(&key, owner).and_then(|held| match held {
-                    None => Ok(false),
+                let result = self.owned(&key, owner).map(|held| match held {
+                    None => false,
                     Some(held) => {
-                        let record = held.record.clone();
-                        self.put(&key, self.now.saturating_add(lease), &record)?;
-                        Ok(true)
+                        self.put(&key, self.now.saturating_add(lease), &held.record);
+                        true
                     }
                 });
                 Pending::Flag(reply, result, None)
@@ -454,8 +773,9 @@ impl Tables<'_, '_> {
         owner: Owner,
         lease: u64,
         refresh: Option<u64>,
+        absent_at: Option<u64>,
     ) -> Result<Claim, StoreError> {
-        if let Some(stored) = self.live(key)? {
+        if let Some(stored) = self.live_unless(key, absent_at)? {
             return Ok(match codec::decode(stored.record.clone())? {
                 Decoded::InFlight { fingerprint: found, .. } => Claim::InFlight { fingerprint: found },
                 Decoded::Completed {
@@ -463,7 +783,7 @@ impl Tables<'_, '_> {
                     outcome,
                 } => {
                     if let Some(ttl) = refresh.filter(|_| found == *fingerprint) {
-                        self.put(key, self.now.saturating_add(ttl), &stored.record)?;
+                        self.put(key, self.now.saturating_add(ttl), &stored.record);
                     }
                     Claim::Completed {
                         fingerprint: found,
@@ -473,33 +793,131 @@ impl Tables<'_, '_> {
             });
         }
         let record = codec::in_flight(fingerprint, owner);
-        self.put(key, self.now.saturating_add(lease), &record)?;
+        self.put(key, self.now.saturating_add(lease), &record);
         Ok(Claim::Claimed)
     }
+}
 
-    /// Looks at up to `SWEEP_BATCH` records from `from` on and removes the
-    /// expired ones. Returns where the next sweep starts.
-    fn sweep(&mut self, from: Option<[u8; 32]>) -> Result<Option<[u8; 32]>, StoreError> {
-        let start = from.unwrap_or([0; 32]);
-        let mut expired = Vec::new();
-        let mut last = None;
-        let mut seen = 0;
-        for entry in self.records.range::<&[u8; 32]>(&start..).map_err(unavailable)? {
-            let (key, value) = entry.map_err(unavailable)?;
-            let key = *key.value();
-            if split(value.value()).is_ok_and(|s| s.deadline <= self.now) {
-                expired.push(key);
+/// The thread that writes overlays into the file and sweeps it.
+struct Checkpointer {
+    shared: Arc<Shared>,
+    path: PathBuf,
+    /// Where the next sweep starts; `None`: at the beginning.
+    sweep_from: Option<[u8; 32]>,
+}
+
+impl Checkpointer {
+    fn run(mut self, checkpoints: std_mpsc::Receiver<(Arc<Changes>, u64)>) {
+        let mut last_sweep = Instant::now();
+        loop {
+            let checkpoint = match checkpoints.recv_timeout(SWEEP_EVERY) {
+                Ok(checkpoint) => Some(checkpoint),
+                Err(std_mpsc::RecvTimeoutError::Timeout) => None,
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+            };
+            let sweep = last_sweep.elapsed() >= SWEEP_EVERY;
+            if sweep {
+                last_sweep = Instant::now();
             }
-            last = Some(key);
-            seen += 1;
-            if seen == SWEEP_BATCH {
-                break;
+            if let Some((frozen, covered_below)) = checkpoint {
+                // Until it lands, the overlay keeps answering reads and the
+                // log keeps the records: retry, never drop it.
+                while let Err(error) = self.write(Some(&frozen), sweep) {
+                    tracing::error!(%error, "checkpointing the embedded store failed; retrying");
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+                match Wal::segments(&self.path) {
+                    Ok(segments) => {
+                        let covered = segments.into_iter().map(|(n, _)| n).filter(|n| *n < covered_below);
+                        if let Err(error) = Wal::remove(&self.path, covered) {
+                            tracing::warn!(%error, "removing checkpointed log segments failed");
+                        }
+                    }
+                    Err(error) => tracing::warn!(%error, "listing log segments failed"),
+                }
+                {
+                    let mut overlay = lock(&self.shared.overlay);
+                    overlay.frozen = Arc::default();
+                    overlay.generation += 1;
+                }
+                self.shared.checkpointed.notify_all();
+            } else if sweep && let Err(error) = self.write(None, true) {
+                tracing::warn!(%error, "sweeping expired records failed");
             }
         }
-        for key in &expired {
-            self.records.remove(key).map_err(unavailable)?;
+    }
+
+    /// Writes `changes` (expired records as removals) and, if `sweep`, a
+    /// sweep batch, in one durable transaction.
+    fn write(&mut self, changes: Option<&Changes>, sweep: bool) -> Result<(), StoreError> {
+        let now = now_ms();
+        let txn = self.shared.db.begin_write().map_err(unavailable)?;
+        let mut sweep_from = self.sweep_from;
+        {
+            let mut table = txn.open_table(RECORDS).map_err(unavailable)?;
+            for (key, change) in changes.into_iter().flatten() {
+                let live = change.as_ref().filter(|v| split(v).is_ok_and(|s| s.deadline > now));
+                match live {
+                    Some(value) => table.insert(key, value.as_ref()).map(drop),
+                    None => table.remove(key).map(drop),
+                }
+                .map_err(unavailable)?;
+            }
+            if sweep {
+                let start = sweep_from.unwrap_or([0; 32]);
+                let mut expired = Vec::new();
+                let mut last = None;
+                let mut seen = 0;
+                for entry in table.range::<&[u8; 32]>(&start..).map_err(unavailable)? {
+                    let (key, value) = entry.map_err(unavailable)?;
+                    let key = *key.value();
+                    if split(value.value()).is_ok_and(|s| s.deadline <= now) {
+                        expired.push(key);
+                    }
+                    last = Some(key);
+                    seen += 1;
+                    if seen == SWEEP_BATCH {
+                        break;
+                    }
+                }
+                for key in &expired {
+                    table.remove(key).map_err(unavailable)?;
+                }
+                // A short batch reached the end of the table: start over.
+                sweep_from = if seen == SWEEP_BATCH { last } else { None };
+            }
         }
-        // A short batch reached the end of the table: start over next time.
-        Ok(if seen == SWEEP_BATCH { last } else { None })
+        txn.commit().map_err(unavailable)?;
+        self.sweep_from = sweep_from;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_entries_round_trip_and_stop_at_a_torn_tail() {
+        let mut log = Vec::new();
+        Wal::encode(&mut log, &[1; 32], Some(b"first"));
+        Wal::encode(&mut log, &[2; 32], None);
+        let whole = log.len();
+        Wal::encode(&mut log, &[3; 32], Some(b"torn"));
+        let entries: Vec<_> = Wal::entries(&log).collect();
+        assert_eq!(
+            entries,
+            vec![
+                (&[1; 32], Some(&b"first"[..])),
+                (&[2; 32], None),
+                (&[3; 32], Some(&b"torn"[..]))
+            ]
+        );
+
+        // Cut in the middle of the last entry, or a flipped bit: it is ignored.
+        assert_eq!(Wal::entries(&log[..log.len() - 2]).count(), 2);
+        let mut damaged = log.clone();
+        damaged[whole + 40] ^= 1;
+        assert_eq!(Wal::entries(&damaged).count(), 2);
     }
 }
