@@ -32,7 +32,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc as std_mpsc;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -46,6 +46,11 @@ use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreE
 
 /// Record key -> deadline (ms since the epoch, big-endian) ++ encoded record.
 const RECORDS: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("records");
+/// `applied_below`: every log segment numbered below it is in the file.
+/// Segment numbers only grow, across restarts too, so a recycled spare's
+/// old entries never carry a number in use again.
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const APPLIED_BELOW: &str = "applied_below";
 
 /// Most operations decided and synced together.
 const MAX_BATCH: usize = 1024;
@@ -55,7 +60,8 @@ const CHECKPOINT_BYTES: usize = 32 << 20;
 /// While a checkpoint runs, the writer goes on until the overlay holds this
 /// much, then waits for the checkpoint: memory stays bounded.
 const OVERLAY_LIMIT: usize = 4 * CHECKPOINT_BYTES;
-/// How often the sweep runs, and how many records it looks at each time.
+/// How often the sweep runs, and how many records it looks at each time,
+/// at least (see [`Checkpointer::write`]).
 const SWEEP_EVERY: Duration = Duration::from_millis(500);
 const SWEEP_BATCH: usize = 4096;
 
@@ -145,6 +151,8 @@ struct Shared {
     overlay: Mutex<Overlay>,
     /// Signalled when a checkpoint finishes.
     checkpointed: Condvar,
+    /// Set when a log write failed: the store takes no more writes.
+    failed: OnceLock<String>,
 }
 
 impl Shared {
@@ -219,11 +227,18 @@ impl EmbeddedStore {
     pub fn open(path: &Path) -> Result<EmbeddedStore, StoreError> {
         let db = Database::create(path).map_err(unavailable)?;
         let segments = Wal::segments(path).map_err(unavailable)?;
-        {
+        let next = {
             let txn = db.begin_write().map_err(unavailable)?;
+            let next;
             {
+                let mut meta = txn.open_table(META).map_err(unavailable)?;
+                let applied_below = meta.get(APPLIED_BELOW).map_err(unavailable)?.map_or(0, |v| v.value());
+                next = segments.last().map_or(1, |(n, _)| n + 1).max(applied_below).max(1);
+                meta.insert(APPLIED_BELOW, next).map_err(unavailable)?;
                 let mut table = txn.open_table(RECORDS).map_err(unavailable)?;
-                for (n, segment) in &segments {
+                // Segments below `applied_below` are in the file already
+                // (a crash came between a checkpoint and their removal).
+                for (n, segment) in segments.iter().filter(|(n, _)| *n >= applied_below) {
                     let bytes = fs::read(segment).map_err(unavailable)?;
                     for (key, change) in Wal::entries(&bytes, *n) {
                         match change {
@@ -235,15 +250,18 @@ impl EmbeddedStore {
                 }
             }
             txn.commit().map_err(unavailable)?;
-        }
-        let next = segments.last().map_or(1, |(n, _)| n + 1);
-        Wal::retire(path, segments.iter().map(|(n, _)| *n)).map_err(unavailable)?;
+            next
+        };
+        // The new segment first: a crash before the old ones are gone
+        // leaves them below `applied_below`, skipped next time.
         let wal = Wal::create(path, next).map_err(unavailable)?;
+        Wal::retire(path, segments.iter().map(|(n, _)| *n)).map_err(unavailable)?;
 
         let shared = Arc::new(Shared {
             db,
             overlay: Mutex::new(Overlay::default()),
             checkpointed: Condvar::new(),
+            failed: OnceLock::new(),
         });
         let waiters = Arc::new(Waiters::default());
         let (ops, rx) = std_mpsc::channel();
@@ -259,6 +277,7 @@ impl EmbeddedStore {
             shared: shared.clone(),
             path: path.to_owned(),
             sweep_from: None,
+            written_since_sweep: 0,
         };
         std::thread::Builder::new()
             .name("idemgate-embedded-checkpoint".into())
@@ -391,6 +410,9 @@ impl Store for EmbeddedStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
+        if let Some(failure) = self.shared.failed.get() {
+            return Err(StoreError::Unavailable(failure.clone().into()));
+        }
         self.shared.db.begin_read().map(drop).map_err(unavailable)
     }
 
@@ -478,7 +500,7 @@ impl Wal {
         let target = Wal::segment_path(path, n);
         match Wal::numbered(path, "-wal-spare.")?.first() {
             Some((_, spare)) => fs::rename(spare, &target)?,
-            None => Wal::zero_filled(path, &target)?,
+            None => Wal::zero_filled(&target)?,
         }
         File::open(parent(path))?.sync_all()?;
         Ok(Wal {
@@ -489,10 +511,13 @@ impl Wal {
         })
     }
 
-    /// Writes a zero-filled segment-sized file under a temporary name, syncs
-    /// it, and renames it to `target`.
-    fn zero_filled(path: &Path, target: &Path) -> std::io::Result<()> {
-        let temporary = Wal::named(path, "-wal-new");
+    /// Writes a zero-filled segment-sized file under a temporary name of
+    /// its own (the writer and the checkpoint thread may both be making
+    /// one), syncs it, and renames it to `target`.
+    fn zero_filled(target: &Path) -> std::io::Result<()> {
+        let mut temporary = target.as_os_str().to_owned();
+        temporary.push(".new");
+        let temporary = PathBuf::from(temporary);
         let mut file = File::create(&temporary)?;
         let zeros = vec![0u8; 1 << 20];
         for _ in 0..SEGMENT_BYTES / zeros.len() as u64 {
@@ -519,7 +544,7 @@ impl Wal {
             }
         }
         while count < SPARES {
-            Wal::zero_filled(path, &Wal::named(path, &format!("-wal-spare.{next}")))?;
+            Wal::zero_filled(&Wal::named(path, &format!("-wal-spare.{next}")))?;
             next += 1;
             count += 1;
         }
@@ -649,18 +674,20 @@ impl Writer {
         };
         let pending: Vec<Pending> = batch.into_iter().map(|op| changes.apply(op)).collect();
         let Batch { changes, log, .. } = changes;
-        let synced = if log.is_empty() {
+        let synced = if let Some(failure) = self.shared.failed.get() {
+            Err(StoreError::Unavailable(failure.clone().into()))
+        } else if log.is_empty() {
             Ok(())
         } else {
             self.wal.append(&log).map_err(|error| {
-                tracing::error!(%error, "appending to the embedded store's log failed");
-                // The segment may end in a torn entry now, which would hide
-                // anything after it: go on in a new segment.
-                match Wal::create(&self.wal.path, self.wal.segment + 1) {
-                    Ok(wal) => self.wal = wal,
-                    Err(error) => tracing::error!(%error, "starting a new log segment failed"),
-                }
-                StoreError::Unavailable(error.to_string().into())
+                // Fail-stop, as databases do: after a failed write or sync
+                // the kernel may have dropped the data, and the segment's
+                // tail is unknown. What was acknowledged is in the log; a
+                // restart recovers it.
+                let failure = format!("a write to the embedded store's log failed ({error}); restart to recover");
+                tracing::error!("{failure}");
+                let _ = self.shared.failed.set(failure.clone());
+                StoreError::Unavailable(failure.into())
             })
         };
         if synced.is_ok() && !changes.is_empty() {
@@ -787,7 +814,14 @@ impl Batch<'_> {
                 refresh,
                 absent_at,
                 reply,
-            } => Pending::Claim(reply, self.claim(&key, &fingerprint, owner, lease, refresh, absent_at)),
+            } => {
+                // Its caller gave up (the store's deadline): a claim made
+                // now would only block retries until its lease ran out.
+                if reply.is_closed() {
+                    return Pending::Claim(reply, Err(unavailable(WriterGone)));
+                }
+                Pending::Claim(reply, self.claim(&key, &fingerprint, owner, lease, refresh, absent_at))
+            }
             Op::Complete {
                 key,
                 owner,
@@ -879,6 +913,8 @@ struct Checkpointer {
     path: PathBuf,
     /// Where the next sweep starts; `None`: at the beginning.
     sweep_from: Option<[u8; 32]>,
+    /// Records written since the last sweep, which sizes the next one.
+    written_since_sweep: usize,
 }
 
 impl Checkpointer {
@@ -897,7 +933,7 @@ impl Checkpointer {
             if let Some((frozen, covered_below)) = checkpoint {
                 // Until it lands, the overlay keeps answering reads and the
                 // log keeps the records: retry, never drop it.
-                while let Err(error) = self.write(Some(&frozen), sweep) {
+                while let Err(error) = self.write(Some((&frozen, covered_below)), sweep) {
                     tracing::error!(%error, "checkpointing the embedded store failed; retrying");
                     std::thread::sleep(Duration::from_secs(1));
                 }
@@ -922,15 +958,22 @@ impl Checkpointer {
         }
     }
 
-    /// Writes `changes` (expired records as removals) and, if `sweep`, a
-    /// sweep batch, in one durable transaction.
-    fn write(&mut self, changes: Option<&Changes>, sweep: bool) -> Result<(), StoreError> {
+    /// Writes `changes` (expired records as removals), which cover the log
+    /// segments below the number given, and, if `sweep`, a sweep batch, in
+    /// one durable transaction.
+    fn write(&mut self, changes: Option<(&Changes, u64)>, sweep: bool) -> Result<(), StoreError> {
         let now = now_ms();
         let txn = self.shared.db.begin_write().map_err(unavailable)?;
         let mut sweep_from = self.sweep_from;
+        let mut written = self.written_since_sweep;
         {
             let mut table = txn.open_table(RECORDS).map_err(unavailable)?;
-            for (key, change) in changes.into_iter().flatten() {
+            if let Some((_, covered_below)) = changes {
+                let mut meta = txn.open_table(META).map_err(unavailable)?;
+                meta.insert(APPLIED_BELOW, covered_below).map_err(unavailable)?;
+            }
+            for (key, change) in changes.into_iter().flat_map(|(changes, _)| changes) {
+                written += 1;
                 let live = change.as_ref().filter(|v| split(v).is_ok_and(|s| s.deadline > now));
                 match live {
                     Some(value) => table.insert(key, value.as_ref()).map(drop),
@@ -939,6 +982,10 @@ impl Checkpointer {
                 .map_err(unavailable)?;
             }
             if sweep {
+                // Look at twice what was written since the last sweep (at
+                // least SWEEP_BATCH): the sweep outpaces any insert rate.
+                let budget = SWEEP_BATCH.max(2 * written);
+                written = 0;
                 let start = sweep_from.unwrap_or([0; 32]);
                 let mut expired = Vec::new();
                 let mut last = None;
@@ -951,7 +998,7 @@ impl Checkpointer {
                     }
                     last = Some(key);
                     seen += 1;
-                    if seen == SWEEP_BATCH {
+                    if seen == budget {
                         break;
                     }
                 }
@@ -959,11 +1006,12 @@ impl Checkpointer {
                     table.remove(key).map_err(unavailable)?;
                 }
                 // A short batch reached the end of the table: start over.
-                sweep_from = if seen == SWEEP_BATCH { last } else { None };
+                sweep_from = if seen == budget { last } else { None };
             }
         }
         txn.commit().map_err(unavailable)?;
         self.sweep_from = sweep_from;
+        self.written_since_sweep = written;
         Ok(())
     }
 }
@@ -1026,6 +1074,55 @@ mod tests {
             Wal::entries(&bytes, 2).count(),
             0,
             "what segment 1 wrote is not segment 2's"
+        );
+    }
+
+    /// Opens `path` once the last store on it has let go of the file.
+    fn reopen(path: &Path) -> EmbeddedStore {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match EmbeddedStore::open(path) {
+                Ok(store) => return store,
+                Err(error) if Instant::now() > deadline => panic!("cannot reopen: {error}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn segments_already_in_the_file_are_never_applied_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.redb");
+        let key = RecordKey([9; 32]);
+        let owner = Owner::new();
+        let store = EmbeddedStore::open(&path).unwrap();
+        assert!(matches!(
+            store
+                .claim(&key, &Fingerprint([1; 32]), owner, Duration::from_secs(30), None)
+                .await
+                .unwrap(),
+            Claim::Claimed
+        ));
+        assert!(
+            store
+                .complete(&key, owner, Outcome::Unknown, Duration::from_secs(30))
+                .await
+                .unwrap()
+        );
+        drop(store);
+        // Reopening applies the log to the file and moves past it.
+        drop(reopen(&path));
+        // A segment numbered below that, whose removal a crash undid, holds
+        // an older change: it must not be applied over the file.
+        let mut log = Vec::new();
+        Wal::encode(&mut log, 1, &key.0, None);
+        std::fs::write(Wal::segment_path(&path, 1), &log).unwrap();
+        let store = reopen(&path);
+        let (record, _) = store.inspect(&key).await.unwrap().expect("the record survived");
+        assert!(matches!(record, Decoded::Completed { .. }));
+        assert!(
+            Wal::segments(&path).unwrap().iter().all(|(n, _)| *n > 1),
+            "the stale segment was retired"
         );
     }
 }
