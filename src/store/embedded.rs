@@ -60,6 +60,9 @@ const CHECKPOINT_BYTES: usize = 32 << 20;
 /// While a checkpoint runs, the writer goes on until the overlay holds this
 /// much, then waits for the checkpoint: memory stays bounded.
 const OVERLAY_LIMIT: usize = 4 * CHECKPOINT_BYTES;
+/// redb's page cache (its default is 1 GiB). Pages it drops are read back
+/// from the operating system's cache; recent records are in the overlay.
+const CACHE_BYTES: usize = 64 << 20;
 /// How often the sweep runs, and how many records it looks at each time,
 /// at least (see [`Checkpointer::write`]).
 const SWEEP_EVERY: Duration = Duration::from_millis(500);
@@ -225,7 +228,10 @@ impl EmbeddedStore {
     /// Opens (or creates) the file at `path`, applies the log a crash left
     /// behind, and starts the writer and checkpoint threads.
     pub fn open(path: &Path) -> Result<EmbeddedStore, StoreError> {
-        let db = Database::create(path).map_err(unavailable)?;
+        let db = Database::builder()
+            .set_cache_size(CACHE_BYTES)
+            .create(path)
+            .map_err(unavailable)?;
         let segments = Wal::segments(path).map_err(unavailable)?;
         let next = {
             let txn = db.begin_write().map_err(unavailable)?;
