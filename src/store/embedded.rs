@@ -11,21 +11,23 @@
 //! (the overlay) and read from there first. About once a second, or sooner
 //! when the overlay grows, the writer starts a new log segment and hands the
 //! overlay to the checkpoint thread, which writes it into the redb file in
-//! one durable transaction and then deletes the segments it covered. So a
-//! request costs an append to the log, and redb sees each record once, in
-//! transactions of thousands. On open, segments left by a crash are applied
-//! to the file before anything else happens.
+//! one durable transaction (recording that the segments below the new one
+//! are in the file) and then retires the segments it covered. So a request
+//! costs an append to the log, and redb sees each record once, in
+//! transactions of thousands. On open, segments a crash left unapplied are
+//! applied to the file before anything else happens.
 //!
-//! Log segments are named `<path>-wal.<n>`; each entry carries its length
-//! and a CRC-32, and a torn entry at the end of a segment (a crash in the
-//! middle of an append) is ignored: it was never acknowledged.
+//! Log segments are named `<path>-wal.<n>` (see [`Wal`]); each entry
+//! carries its length and a CRC-32, and a torn entry at the end of a
+//! segment (a crash in the middle of an append) is ignored: it was never
+//! acknowledged. A failed log write stops the store taking writes.
 //!
 //! Replays of completed records are read from the overlay or a read
 //! transaction without going through the writer. Leases and TTLs are
 //! wall-clock deadlines in the record, so a claim of a crashed process runs
 //! out after a restart. An expired record is ignored at once and removed by
-//! the checkpoint thread's sweep, which walks the table a bounded batch at a
-//! time (a cursor that wraps around), so no second index is kept.
+//! the checkpoint thread's sweep, which walks the table a batch at a time
+//! (a cursor that wraps around), so no second index is kept.
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
