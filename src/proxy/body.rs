@@ -10,6 +10,8 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
+
+use super::upstream::UpstreamResponseBody;
 use tokio::sync::mpsc;
 use tokio::time::Sleep;
 
@@ -27,7 +29,10 @@ pub enum ResponseBody {
     /// A whole body: a replay or a problem document.
     Full(Option<Bytes>),
     /// A pass-through upstream body, cut off at the upstream deadline.
-    Upstream { body: Incoming, deadline: Pin<Box<Sleep>> },
+    Upstream {
+        body: Box<UpstreamResponseBody>,
+        deadline: Pin<Box<Sleep>>,
+    },
     /// Frames from the task that records the response, through
     /// [`ResponseBody::channel`].
     Channel {

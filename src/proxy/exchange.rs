@@ -23,8 +23,9 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use super::body::{BodySender, ResponseBody, UpstreamBody};
-use super::forward::{UpstreamClient, strip_hop_by_hop};
+use super::forward::strip_hop_by_hop;
 use super::problem::Problem;
+use super::upstream::UpstreamClient;
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
 use crate::store::{Outcome, Owner, RecordKey, StoreHandle, StoredResponse};
 use crate::telemetry::{Metrics, Outcome as TelemetryOutcome, RouteCounters};

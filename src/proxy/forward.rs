@@ -1,46 +1,14 @@
-//! Talking to the upstream: the pooled client, the rewritten request (hop-by-
-//! hop headers dropped, `X-Forwarded-*` set) and the cleaned response head.
+//! The request as it goes upstream (hop-by-hop headers dropped,
+//! `X-Forwarded-*` set) and the cleaned response head; the client itself
+//! is in [`super::upstream`].
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 use http::{Request, Version};
-use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 
 use super::body::UpstreamBody;
-use crate::config::UpstreamConfig;
-use crate::server::tls::{self, TlsError};
-
-/// The pooled HTTP/1.1 client every route shares, for http:// and https://
-/// upstreams alike.
-pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, UpstreamBody>;
-
-/// The upstream client: `connect_timeout`, and for https:// the webpki
-/// roots plus `upstream.ca`.
-pub fn client(config: &UpstreamConfig) -> Result<UpstreamClient, TlsError> {
-    let mut connector = HttpConnector::new();
-    // Capped at half the whole exchange's timeout, so a connection that
-    // cannot be made fails as "never sent" (released) before the exchange
-    // times out as "sent" (on_upstream_failure decides).
-    connector.set_connect_timeout(Some(config.connect_timeout.min(config.timeout / 2)));
-    connector.set_nodelay(true);
-    connector.set_keepalive(Some(Duration::from_secs(60)));
-    connector.enforce_http(false);
-    let connector = HttpsConnectorBuilder::new()
-        .with_tls_config(tls::client_config(config.ca.as_deref())?)
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(connector);
-    Ok(Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_max_idle_per_host(1024)
-        .build(connector))
-}
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");

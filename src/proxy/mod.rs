@@ -18,6 +18,7 @@ mod fingerprint;
 pub mod forward;
 mod key;
 pub mod problem;
+mod upstream;
 
 use std::sync::Arc;
 
@@ -41,7 +42,7 @@ use crate::store::{Claim, Outcome as Stored, Owner, StoreHandle, StoredResponse}
 use crate::telemetry::{Metrics, Outcome, RouteCounters};
 use body::UpstreamBody;
 use exchange::Exchange;
-use forward::UpstreamClient;
+use upstream::UpstreamClient;
 
 /// A configured route with what it needs at run time.
 struct LiveRoute {
@@ -102,7 +103,7 @@ impl Gateway {
             })
             .collect();
         Ok(Gateway {
-            client: forward::client(&config.upstream)?,
+            client: upstream::client(&config.upstream)?,
             passthrough: metrics.route(""),
             routes,
             store,
@@ -425,7 +426,13 @@ impl Gateway {
                 let (mut head, body) = response.into_parts();
                 forward::strip_hop_by_hop(&mut head.headers);
                 let deadline = Box::pin(tokio::time::sleep_until(deadline));
-                Response::from_parts(head, ResponseBody::Upstream { body, deadline })
+                Response::from_parts(
+                    head,
+                    ResponseBody::Upstream {
+                        body: Box::new(body),
+                        deadline,
+                    },
+                )
             }
             Ok(Err(error)) => {
                 tracing::warn!(error = %exchange::error_chain(&error), "upstream request failed");

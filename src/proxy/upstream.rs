@@ -1,0 +1,764 @@
+//! The upstream client: HTTP/1.1 on keep-alive connections, plain or TLS,
+//! pooled per worker thread.
+//!
+//! Each worker runs a single-threaded runtime, so each keeps its own idle
+//! connections (a thread-local pool): a request never takes a lock or wakes
+//! another thread to reach the upstream, and the exchange task reads and
+//! writes the connection itself, with no connection task in between. A
+//! small answer usually arrives with its head, and its body is then taken
+//! from the same read.
+//!
+//! An idle connection is checked before reuse without a system call when
+//! possible: the runtime knows whether the socket became readable (an EOF
+//! or stray bytes) since the last response was read to its end.
+
+use std::cell::RefCell;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll, Waker, ready};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::{Authority, Scheme};
+use http::{Method, Request, Response, StatusCode, Version};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Either};
+use rustls_pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::client::TlsStream;
+
+use super::body::{BoxError, UpstreamBody};
+use crate::config::UpstreamConfig;
+use crate::server::tls::{self, TlsError};
+
+/// Idle connections older than this are closed rather than reused.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+const MAX_IDLE_PER_UPSTREAM: usize = 1024;
+/// The largest response head (status line and headers) accepted.
+const MAX_HEAD: usize = 64 * 1024;
+const MAX_HEADERS: usize = 128;
+/// Bytes read from the upstream at a time, at least.
+const READ_CHUNK: usize = 16 * 1024;
+/// Request bodies up to this size are written with the head, in one write.
+const COALESCE: usize = 16 * 1024;
+
+/// The client every route shares, for http:// and https:// upstreams.
+#[derive(Clone)]
+pub struct UpstreamClient {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// Tells this client's pooled connections from an earlier one's (a
+    /// reload makes a new client).
+    id: u64,
+    tls: TlsConnector,
+    connect_timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("connecting to the upstream failed")]
+    Connect(#[source] io::Error),
+    #[error("the upstream connection failed")]
+    Io(#[source] io::Error),
+    #[error("the upstream's answer is not valid HTTP/1.1: {0}")]
+    Protocol(&'static str),
+    #[error("the request body could not be read")]
+    RequestBody(#[source] BoxError),
+}
+
+impl UpstreamError {
+    /// The request never reached the upstream: no connection was made.
+    pub fn is_connect(&self) -> bool {
+        matches!(self, UpstreamError::Connect(_))
+    }
+}
+
+/// The upstream client: `connect_timeout`, and for https:// the webpki
+/// roots plus `upstream.ca`.
+pub fn client(config: &UpstreamConfig) -> Result<UpstreamClient, TlsError> {
+    static IDS: AtomicU64 = AtomicU64::new(0);
+    let mut tls = tls::client_config(config.ca.as_deref())?;
+    tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(UpstreamClient {
+        inner: Arc::new(Inner {
+            id: IDS.fetch_add(1, Ordering::Relaxed),
+            tls: TlsConnector::from(Arc::new(tls)),
+            // Capped at half the whole exchange's timeout, so a connection
+            // that cannot be made fails as "never sent" (released) before
+            // the exchange times out as "sent" (on_upstream_failure decides).
+            connect_timeout: config.connect_timeout.min(config.timeout / 2),
+        }),
+    })
+}
+
+/// Where pooled connections go: one client, one scheme and authority.
+#[derive(Clone, PartialEq)]
+struct PoolKey {
+    client: u64,
+    https: bool,
+    authority: Authority,
+}
+
+thread_local! {
+    static POOL: RefCell<Vec<(PoolKey, Vec<Conn>)>> = const { RefCell::new(Vec::new()) };
+}
+
+fn checkout(key: &PoolKey) -> Option<Conn> {
+    POOL.with_borrow_mut(|pool| {
+        let (_, idle) = pool.iter_mut().find(|(k, _)| k == key)?;
+        while let Some(mut conn) = idle.pop() {
+            if conn.usable() {
+                return Some(conn);
+            }
+        }
+        None
+    })
+}
+
+fn checkin(key: PoolKey, mut conn: Conn) {
+    conn.idle_since = Instant::now();
+    POOL.with_borrow_mut(|pool| {
+        // Connections of clients replaced by a reload are never used again.
+        pool.retain(|(k, _)| k.client == key.client);
+        match pool.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, idle)) if idle.len() < MAX_IDLE_PER_UPSTREAM => idle.push(conn),
+            Some(_) => {}
+            None => pool.push((key, vec![conn])),
+        }
+    });
+}
+
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl Stream {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Stream::Plain(tcp) => tcp,
+            Stream::Tls(tls) => tls.get_ref().0,
+        }
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(tcp) => Pin::new(tcp).poll_read(cx, buf),
+            Stream::Tls(tls) => Pin::new(tls.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(tcp) => Pin::new(tcp).poll_write(cx, buf),
+            Stream::Tls(tls) => Pin::new(tls.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(tcp) => Pin::new(tcp).poll_flush(cx),
+            Stream::Tls(tls) => Pin::new(tls.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(tcp) => Pin::new(tcp).poll_shutdown(cx),
+            Stream::Tls(tls) => Pin::new(tls.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+/// A connection and the bytes read from it but not yet used.
+struct Conn {
+    stream: Stream,
+    buf: BytesMut,
+    idle_since: Instant,
+}
+
+impl Conn {
+    /// Whether an idle connection can carry another request: not too old,
+    /// and nothing (an EOF, stray bytes) arrived while it was idle.
+    fn usable(&mut self) -> bool {
+        if self.idle_since.elapsed() > IDLE_TIMEOUT || !self.buf.is_empty() {
+            return false;
+        }
+        let mut cx = Context::from_waker(Waker::noop());
+        match self.stream.tcp().poll_read_ready(&mut cx) {
+            Poll::Pending => true,
+            Poll::Ready(Err(_)) => false,
+            // Readable, or readiness left over from the last read: look.
+            Poll::Ready(Ok(())) => {
+                let mut probe = [0u8; 1];
+                matches!(self.stream.tcp().try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+            }
+        }
+    }
+
+    /// Reads more bytes into the buffer; `Ok(0)` at EOF.
+    async fn fill(&mut self) -> io::Result<usize> {
+        self.buf.reserve(READ_CHUNK);
+        self.stream.read_buf(&mut self.buf).await
+    }
+}
+
+impl UpstreamClient {
+    /// Sends `request` (its URI absolute) and returns the response head;
+    /// the body is read as it is polled.
+    pub async fn request(
+        &self,
+        request: Request<UpstreamBody>,
+    ) -> Result<Response<UpstreamResponseBody>, UpstreamError> {
+        let (parts, body) = request.into_parts();
+        let key = PoolKey {
+            client: self.inner.id,
+            https: parts.uri.scheme() == Some(&Scheme::HTTPS),
+            authority: parts
+                .uri
+                .authority()
+                .cloned()
+                .ok_or(UpstreamError::Protocol("the upstream URI has no authority"))?,
+        };
+        let mut conn = match checkout(&key) {
+            Some(conn) => conn,
+            None => self.connect(&key).await?,
+        };
+        write_request(&mut conn, &parts, &key.authority, body).await?;
+        let head_only = parts.method == Method::HEAD;
+        let (response, framing, keep_alive) = read_head(&mut conn, head_only).await?;
+        let mut body = UpstreamResponseBody {
+            conn: Some(conn),
+            framing,
+            key,
+            keep_alive,
+        };
+        body.finish_if_done();
+        Ok(response.map(|()| body))
+    }
+
+    async fn connect(&self, key: &PoolKey) -> Result<Conn, UpstreamError> {
+        let host = key.authority.host().trim_start_matches('[').trim_end_matches(']');
+        let port = key.authority.port_u16().unwrap_or(if key.https { 443 } else { 80 });
+        let connect = async {
+            let tcp = TcpStream::connect((host, port)).await?;
+            tcp.set_nodelay(true)?;
+            let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
+            socket2::SockRef::from(&tcp).set_tcp_keepalive(&keepalive)?;
+            let stream = if key.https {
+                let name = ServerName::try_from(host.to_owned())
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+                Stream::Tls(Box::new(self.inner.tls.connect(name, tcp).await?))
+            } else {
+                Stream::Plain(tcp)
+            };
+            Ok(Conn {
+                stream,
+                buf: BytesMut::new(),
+                idle_since: Instant::now(),
+            })
+        };
+        match tokio::time::timeout(self.inner.connect_timeout, connect).await {
+            Ok(result) => result.map_err(UpstreamError::Connect),
+            Err(_) => Err(UpstreamError::Connect(io::ErrorKind::TimedOut.into())),
+        }
+    }
+}
+
+/// Methods whose requests carry no body unless they say so.
+fn bodiless(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS | Method::TRACE | Method::CONNECT
+    )
+}
+
+/// The request line and headers, with `host` from the URI and the body's
+/// framing: `Some(length)`, or `None` for chunked.
+fn encode_head(parts: &http::request::Parts, authority: &Authority, length: Option<u64>) -> Vec<u8> {
+    let mut head = Vec::with_capacity(512);
+    head.extend_from_slice(parts.method.as_str().as_bytes());
+    head.push(b' ');
+    head.extend_from_slice(parts.uri.path_and_query().map_or("/", |p| p.as_str()).as_bytes());
+    head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    head.extend_from_slice(authority.as_str().as_bytes());
+    head.extend_from_slice(b"\r\n");
+    for (name, value) in &parts.headers {
+        if name == header::HOST || name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING {
+            continue;
+        }
+        head.extend_from_slice(name.as_str().as_bytes());
+        head.extend_from_slice(b": ");
+        head.extend_from_slice(value.as_bytes());
+        head.extend_from_slice(b"\r\n");
+    }
+    match length {
+        Some(0) if bodiless(&parts.method) => {}
+        Some(length) => head.extend_from_slice(format!("content-length: {length}\r\n").as_bytes()),
+        None => head.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+    }
+    head.extend_from_slice(b"\r\n");
+    head
+}
+
+async fn write_request(
+    conn: &mut Conn,
+    parts: &http::request::Parts,
+    authority: &Authority,
+    body: UpstreamBody,
+) -> Result<(), UpstreamError> {
+    let io = UpstreamError::Io;
+    match body {
+        Either::Left(full) => {
+            let bytes = full.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            let mut head = encode_head(parts, authority, Some(bytes.len() as u64));
+            if bytes.len() <= COALESCE {
+                head.extend_from_slice(&bytes);
+                conn.stream.write_all(&head).await.map_err(io)?;
+            } else {
+                conn.stream.write_all(&head).await.map_err(io)?;
+                conn.stream.write_all(&bytes).await.map_err(io)?;
+            }
+        }
+        Either::Right(mut incoming) => {
+            let length = incoming.size_hint().exact();
+            conn.stream
+                .write_all(&encode_head(parts, authority, length))
+                .await
+                .map_err(io)?;
+            while let Some(frame) = incoming.frame().await {
+                let frame = frame.map_err(|e| UpstreamError::RequestBody(e.into()))?;
+                let Ok(data) = frame.into_data() else { continue };
+                if data.is_empty() {
+                    continue;
+                }
+                if length.is_none() {
+                    let size = format!("{:x}\r\n", data.len());
+                    conn.stream.write_all(size.as_bytes()).await.map_err(io)?;
+                    conn.stream.write_all(&data).await.map_err(io)?;
+                    conn.stream.write_all(b"\r\n").await.map_err(io)?;
+                } else {
+                    conn.stream.write_all(&data).await.map_err(io)?;
+                }
+            }
+            if length.is_none() {
+                conn.stream.write_all(b"0\r\n\r\n").await.map_err(io)?;
+            }
+        }
+    }
+    conn.stream.flush().await.map_err(io)
+}
+
+/// How a response body ends.
+enum Framing {
+    /// No body (HEAD, 1xx, 204, 304) or all of it read.
+    Empty,
+    /// `content-length`: this many bytes still to come.
+    Length(u64),
+    Chunked(Chunked),
+    /// Neither: the body runs until the upstream closes the connection.
+    Close,
+}
+
+/// Where a chunked body is.
+enum Chunked {
+    Size,
+    Data(u64),
+    DataEnd,
+    Trailers(HeaderMap),
+    Done,
+}
+
+/// Reads the response head (skipping 1xx interim answers) and decides the
+/// body's framing and whether the connection can be reused.
+async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Framing, bool), UpstreamError> {
+    loop {
+        if !conn.buf.is_empty() {
+            let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+            let mut parsed = httparse::Response::new(&mut headers);
+            match parsed.parse(&conn.buf) {
+                Ok(httparse::Status::Complete(length)) => {
+                    let code = parsed.code.unwrap_or(0);
+                    let minor = parsed.version.unwrap_or(0);
+                    // Offsets of each header in the buffer, to slice it
+                    // once it is split off: no copy of the values.
+                    let base = conn.buf.as_ptr() as usize;
+                    let offsets: Vec<(HeaderName, usize, usize)> = parsed
+                        .headers
+                        .iter()
+                        .map(|h| {
+                            let name = HeaderName::from_bytes(h.name.as_bytes())
+                                .map_err(|_| UpstreamError::Protocol("a header name is not valid"))?;
+                            Ok((name, h.value.as_ptr() as usize - base, h.value.len()))
+                        })
+                        .collect::<Result<_, UpstreamError>>()?;
+                    let head = conn.buf.split_to(length).freeze();
+                    let status = StatusCode::from_u16(code).map_err(|_| UpstreamError::Protocol("bad status"))?;
+                    if status.is_informational() {
+                        if status == StatusCode::SWITCHING_PROTOCOLS {
+                            return Err(UpstreamError::Protocol("the upstream switched protocols"));
+                        }
+                        continue;
+                    }
+                    let mut response = Response::new(());
+                    *response.status_mut() = status;
+                    *response.version_mut() = if minor == 1 { Version::HTTP_11 } else { Version::HTTP_10 };
+                    let headers = response.headers_mut();
+                    headers.reserve(offsets.len());
+                    for (name, start, len) in offsets {
+                        let value = HeaderValue::from_maybe_shared(head.slice(start..start + len))
+                            .map_err(|_| UpstreamError::Protocol("a header value is not valid"))?;
+                        headers.append(name, value);
+                    }
+                    let (framing, keep_alive) = framing(&response, head_only, minor)?;
+                    return Ok((response, framing, keep_alive));
+                }
+                Ok(httparse::Status::Partial) if conn.buf.len() > MAX_HEAD => {
+                    return Err(UpstreamError::Protocol("the response head is too large"));
+                }
+                Ok(httparse::Status::Partial) => {}
+                Err(_) => return Err(UpstreamError::Protocol("the response head does not parse")),
+            }
+        }
+        if conn.fill().await.map_err(UpstreamError::Io)? == 0 {
+            return Err(UpstreamError::Io(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the upstream closed the connection before answering",
+            )));
+        }
+    }
+}
+
+/// The body's framing (RFC 9112 §6.3) and whether the connection stays open.
+fn framing(response: &Response<()>, head_only: bool, minor: u8) -> Result<(Framing, bool), UpstreamError> {
+    let headers = response.headers();
+    let tokens = |name| {
+        headers
+            .get_all(name)
+            .iter()
+            .flat_map(|v| v.to_str().unwrap_or("").split(','))
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+    };
+    let mut keep_alive = if minor == 1 {
+        !tokens(header::CONNECTION).any(|t| t.eq_ignore_ascii_case("close"))
+    } else {
+        tokens(header::CONNECTION).any(|t| t.eq_ignore_ascii_case("keep-alive"))
+    };
+    let status = response.status();
+    if head_only || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+        return Ok((Framing::Empty, keep_alive));
+    }
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        if tokens(header::TRANSFER_ENCODING)
+            .next_back()
+            .is_some_and(|t| t.eq_ignore_ascii_case("chunked"))
+        {
+            return Ok((Framing::Chunked(Chunked::Size), keep_alive));
+        }
+        return Ok((Framing::Close, false));
+    }
+    let mut length = None;
+    for value in tokens(header::CONTENT_LENGTH) {
+        let value: u64 = value
+            .parse()
+            .map_err(|_| UpstreamError::Protocol("content-length is not a number"))?;
+        if length.is_some_and(|l| l != value) {
+            return Err(UpstreamError::Protocol("conflicting content-length values"));
+        }
+        length = Some(value);
+    }
+    Ok(match length {
+        Some(0) => (Framing::Empty, keep_alive),
+        Some(length) => (Framing::Length(length), keep_alive),
+        None => {
+            keep_alive = false;
+            (Framing::Close, keep_alive)
+        }
+    })
+}
+
+/// A response body, read from the connection as it is polled. The
+/// connection goes back to the pool when the body has been read to its end,
+/// and is closed if the body is dropped before that.
+pub struct UpstreamResponseBody {
+    conn: Option<Conn>,
+    framing: Framing,
+    key: PoolKey,
+    keep_alive: bool,
+}
+
+impl UpstreamResponseBody {
+    /// Returns the connection once nothing of the body is left to read.
+    fn finish_if_done(&mut self) {
+        let done = match &self.framing {
+            Framing::Empty | Framing::Length(0) | Framing::Chunked(Chunked::Done) => true,
+            Framing::Length(_) | Framing::Chunked(_) | Framing::Close => false,
+        };
+        if !done {
+            return;
+        }
+        self.framing = Framing::Empty;
+        if let Some(conn) = self.conn.take()
+            && self.keep_alive
+            && conn.buf.is_empty()
+        {
+            checkin(self.key.clone(), conn);
+        }
+    }
+}
+
+fn eof() -> UpstreamError {
+    UpstreamError::Io(io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        "the upstream closed the connection in the middle of the body",
+    ))
+}
+
+impl Body for UpstreamResponseBody {
+    type Data = Bytes;
+    type Error = UpstreamError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, UpstreamError>>> {
+        let this = self.get_mut();
+        loop {
+            let Some(conn) = this.conn.as_mut() else {
+                return Poll::Ready(None);
+            };
+            if !conn.buf.is_empty() {
+                let frame = match &mut this.framing {
+                    Framing::Empty => None,
+                    Framing::Length(left) => {
+                        let n = (*left).min(conn.buf.len() as u64);
+                        *left -= n;
+                        Some(Frame::data(conn.buf.split_to(n as usize).freeze()))
+                    }
+                    Framing::Close => Some(Frame::data(conn.buf.split().freeze())),
+                    Framing::Chunked(state) => match next_chunk(state, &mut conn.buf) {
+                        Ok(frame) => frame,
+                        Err(error) => {
+                            this.conn = None;
+                            return Poll::Ready(Some(Err(error)));
+                        }
+                    },
+                };
+                this.finish_if_done();
+                if let Some(frame) = frame {
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                if this.conn.is_none() {
+                    return Poll::Ready(None);
+                }
+            } else {
+                this.finish_if_done();
+                if this.conn.is_none() {
+                    return Poll::Ready(None);
+                }
+            }
+            let conn = this.conn.as_mut().expect("checked above");
+            conn.buf.reserve(READ_CHUNK);
+            let read = ready!(tokio_util::io::poll_read_buf(
+                Pin::new(&mut conn.stream),
+                cx,
+                &mut conn.buf
+            ));
+            match read {
+                Ok(0) => {
+                    this.conn = None;
+                    return match this.framing {
+                        Framing::Close => Poll::Ready(None),
+                        _ => Poll::Ready(Some(Err(eof()))),
+                    };
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    this.conn = None;
+                    return Poll::Ready(Some(Err(UpstreamError::Io(error))));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self.framing, Framing::Empty)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.framing {
+            Framing::Empty => SizeHint::with_exact(0),
+            Framing::Length(left) => SizeHint::with_exact(left),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+/// The next frame of a chunked body in `buf`, if it holds one; `None` when
+/// more bytes are needed or the body is done (the state says which).
+fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Frame<Bytes>>, UpstreamError> {
+    let bad = || UpstreamError::Protocol("the chunked body is malformed");
+    loop {
+        match state {
+            Chunked::Size => {
+                let Some(end) = line_end(buf) else {
+                    return if buf.len() > 1024 { Err(bad()) } else { Ok(None) };
+                };
+                let line = std::str::from_utf8(&buf[..end]).map_err(|_| bad())?;
+                let digits = line.split(';').next().unwrap_or("").trim();
+                let size = u64::from_str_radix(digits, 16).map_err(|_| bad())?;
+                buf.advance(end + 2);
+                *state = if size == 0 {
+                    Chunked::Trailers(HeaderMap::new())
+                } else {
+                    Chunked::Data(size)
+                };
+            }
+            Chunked::Data(left) => {
+                if buf.is_empty() {
+                    return Ok(None);
+                }
+                let n = (*left).min(buf.len() as u64);
+                *left -= n;
+                let data = buf.split_to(n as usize).freeze();
+                if *left == 0 {
+                    *state = Chunked::DataEnd;
+                }
+                return Ok(Some(Frame::data(data)));
+            }
+            Chunked::DataEnd => {
+                if buf.len() < 2 {
+                    return Ok(None);
+                }
+                if &buf[..2] != b"\r\n" {
+                    return Err(bad());
+                }
+                buf.advance(2);
+                *state = Chunked::Size;
+            }
+            Chunked::Trailers(trailers) => {
+                let Some(end) = line_end(buf) else {
+                    return if buf.len() > MAX_HEAD { Err(bad()) } else { Ok(None) };
+                };
+                if end == 0 {
+                    buf.advance(2);
+                    let trailers = std::mem::take(trailers);
+                    *state = Chunked::Done;
+                    return Ok((!trailers.is_empty()).then(|| Frame::trailers(trailers)));
+                }
+                let line = buf.split_to(end + 2).freeze();
+                let colon = line.iter().position(|b| *b == b':').ok_or_else(bad)?;
+                let name = HeaderName::from_bytes(&line[..colon]).map_err(|_| bad())?;
+                let value = line.slice(colon + 1..end);
+                let start = value.iter().take_while(|b| b.is_ascii_whitespace()).count();
+                let trimmed = value.slice(start..);
+                let value = HeaderValue::from_bytes(trimmed.trim_ascii_end()).map_err(|_| bad())?;
+                trailers.append(name, value);
+            }
+            Chunked::Done => return Ok(None),
+        }
+    }
+}
+
+fn line_end(buf: &[u8]) -> Option<usize> {
+    buf.windows(2).position(|w| w == b"\r\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunks(wire: &[u8]) -> (Vec<u8>, Option<HeaderMap>, bool) {
+        let mut state = Chunked::Size;
+        let mut buf = BytesMut::from(wire);
+        let (mut data, mut trailers) = (Vec::new(), None);
+        while let Some(frame) = next_chunk(&mut state, &mut buf).unwrap() {
+            match frame.into_data() {
+                Ok(bytes) => data.extend_from_slice(&bytes),
+                Err(frame) => trailers = frame.into_trailers().ok(),
+            }
+        }
+        (data, trailers, matches!(state, Chunked::Done))
+    }
+
+    #[test]
+    fn chunked_bodies_decode_with_extensions_and_trailers() {
+        let (data, trailers, done) = chunks(b"5;ext=1\r\nhello\r\n1\r\n!\r\n0\r\nx-sum: 6 \r\n\r\n");
+        assert_eq!(data, b"hello!");
+        assert!(done);
+        assert_eq!(trailers.unwrap()["x-sum"], "6");
+
+        // Cut anywhere, it waits for more rather than failing.
+        let (data, _, done) = chunks(b"5\r\nhel");
+        assert_eq!(data, b"hel");
+        assert!(!done);
+    }
+
+    #[test]
+    fn malformed_chunks_are_errors() {
+        let mut state = Chunked::Size;
+        let mut buf = BytesMut::from(&b"zz\r\n"[..]);
+        assert!(next_chunk(&mut state, &mut buf).is_err());
+        let mut state = Chunked::Size;
+        let mut buf = BytesMut::from(&b"1\r\nabc"[..]);
+        assert!(next_chunk(&mut state, &mut buf).unwrap().is_some());
+        assert!(next_chunk(&mut state, &mut buf).is_err());
+    }
+
+    #[test]
+    fn framing_follows_rfc_9112() {
+        let response = |status: u16, headers: &[(&str, &str)]| {
+            let mut r = Response::new(());
+            *r.status_mut() = StatusCode::from_u16(status).unwrap();
+            for (n, v) in headers {
+                r.headers_mut()
+                    .append(HeaderName::from_bytes(n.as_bytes()).unwrap(), v.parse().unwrap());
+            }
+            r
+        };
+        let f = |r: &Response<()>, head: bool, minor: u8| framing(r, head, minor).unwrap();
+        assert!(matches!(
+            f(&response(200, &[("content-length", "3")]), false, 1),
+            (Framing::Length(3), true)
+        ));
+        assert!(matches!(
+            f(&response(200, &[("content-length", "3")]), true, 1),
+            (Framing::Empty, true)
+        ));
+        assert!(matches!(f(&response(204, &[]), false, 1), (Framing::Empty, true)));
+        assert!(matches!(
+            f(&response(200, &[("transfer-encoding", "gzip, chunked")]), false, 1),
+            (Framing::Chunked(_), true)
+        ));
+        assert!(matches!(f(&response(200, &[]), false, 1), (Framing::Close, false)));
+        assert!(matches!(
+            f(
+                &response(200, &[("content-length", "1"), ("connection", "close")]),
+                false,
+                1
+            ),
+            (Framing::Length(1), false)
+        ));
+        assert!(matches!(
+            f(&response(200, &[("content-length", "1")]), false, 0),
+            (_, false)
+        ));
+        assert!(
+            framing(
+                &response(200, &[("content-length", "1"), ("content-length", "2")]),
+                false,
+                1
+            )
+            .is_err()
+        );
+    }
+}

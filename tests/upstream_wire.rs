@@ -1,0 +1,183 @@
+//! The upstream client on the wire: every way an HTTP/1.1 answer can be
+//! framed, interim answers, and keep-alive reuse, against a raw TCP upstream
+//! that writes exactly the bytes given and counts its connections.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use http::StatusCode;
+use support::{Proxy, TestClient};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// What the raw upstream writes for a request path, and whether it then
+/// closes the connection.
+fn script(path: &str) -> (&'static [u8], bool) {
+    match path {
+        "/length" => (b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nlength", false),
+        "/chunked" => (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3;x=y\r\nchu\r\n4\r\nnked\r\n0\r\nx-sum: 7\r\n\r\n",
+            false,
+        ),
+        "/until-close" => (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil close", true),
+        "/interim" => (
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 7\r\n\r\ninterim",
+            false,
+        ),
+        "/no-content" => (b"HTTP/1.1 204 No Content\r\n\r\n", false),
+        // Answers, then hangs up without saying so: the idle connection
+        // must not be reused.
+        "/then-close" => (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nthen-close", true),
+        "/said-close" => (b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 10\r\n\r\nsaid-close", false),
+        "/garbage" => (b"HTTP/9 what\r\n\r\n", true),
+        _ => (b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n", false),
+    }
+}
+
+struct RawUpstream {
+    url: String,
+    connections: Arc<AtomicUsize>,
+    bodies: Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
+}
+
+async fn raw_upstream() -> RawUpstream {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let connections = Arc::new(AtomicUsize::new(0));
+    let bodies = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (count, seen) = (connections.clone(), bodies.clone());
+    tokio::spawn(async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            count.fetch_add(1, Ordering::SeqCst);
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    // One request: its head, then its content-length body.
+                    let head_end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        let mut chunk = [0u8; 4096];
+                        match socket.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length: "))
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    while buf.len() < head_end + length {
+                        let mut chunk = [0u8; 4096];
+                        match socket.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    seen.lock().unwrap().push(buf[head_end..head_end + length].to_vec());
+                    let path = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
+                    buf.drain(..head_end + length);
+                    let (answer, close) = script(&path);
+                    if socket.write_all(answer).await.is_err() || close {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    RawUpstream {
+        url,
+        connections,
+        bodies,
+    }
+}
+
+#[tokio::test]
+async fn every_framing_arrives_whole_and_connections_are_reused() {
+    let upstream = raw_upstream().await;
+    let proxy = Proxy::start(&upstream.url, "").await;
+    let client = TestClient::default();
+    let get = |path: &'static str| {
+        let (client, url) = (client.clone(), proxy.url(path));
+        async move { client.send("GET", &url, &[], "").await }
+    };
+
+    for _ in 0..5 {
+        assert_eq!(get("/length").await.text(), "length");
+    }
+    assert_eq!(
+        upstream.connections.load(Ordering::SeqCst),
+        1,
+        "one kept-alive connection"
+    );
+
+    assert_eq!(get("/chunked").await.text(), "chunked");
+    let interim = get("/interim").await;
+    assert_eq!(interim.status, StatusCode::CREATED);
+    assert_eq!(interim.text(), "interim");
+    assert_eq!(get("/no-content").await.status, StatusCode::NO_CONTENT);
+    assert_eq!(
+        upstream.connections.load(Ordering::SeqCst),
+        1,
+        "still the same connection"
+    );
+
+    assert_eq!(get("/until-close").await.text(), "until close");
+    assert_eq!(get("/length").await.text(), "length");
+    assert_eq!(
+        upstream.connections.load(Ordering::SeqCst),
+        2,
+        "a body ended by close ends the connection"
+    );
+
+    assert_eq!(get("/said-close").await.text(), "said-close");
+    assert_eq!(get("/length").await.text(), "length");
+    assert_eq!(
+        upstream.connections.load(Ordering::SeqCst),
+        3,
+        "connection: close is honoured"
+    );
+
+    // The upstream hangs up an idle connection: the next request notices
+    // before sending and takes a new one instead of failing.
+    assert_eq!(get("/then-close").await.text(), "then-close");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(get("/length").await.text(), "length");
+    assert_eq!(upstream.connections.load(Ordering::SeqCst), 4);
+
+    assert_eq!(get("/garbage").await.status, StatusCode::BAD_GATEWAY);
+}
+
+#[tokio::test]
+async fn bodies_go_upstream_with_their_length_and_chunked_answers_are_recorded() {
+    let upstream = raw_upstream().await;
+    let proxy = Proxy::start(
+        &upstream.url,
+        r#"
+[[route]]
+name = "chunked"
+path = "/chunked"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    let first = client.post(&proxy.url("/chunked"), "k1", r#"{"a":1}"#).await;
+    assert_eq!(first.text(), "chunked");
+    let replay = client.post(&proxy.url("/chunked"), "k1", r#"{"a":1}"#).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.text(), "chunked");
+    // A pass-through body, streamed: sent with its length.
+    let big = "x".repeat(100_000);
+    assert_eq!(
+        client.send("POST", &proxy.url("/length"), &[], &big).await.text(),
+        "length"
+    );
+    let bodies = upstream.bodies.lock().unwrap().clone();
+    assert_eq!(bodies, vec![br#"{"a":1}"#.to_vec(), big.into_bytes()]);
+}
