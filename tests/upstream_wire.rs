@@ -28,6 +28,12 @@ fn script(path: &str) -> (&'static [u8], bool) {
             false,
         ),
         "/no-content" => (b"HTTP/1.1 204 No Content\r\n\r\n", false),
+        // Both: transfer-encoding wins, and content-length must not reach
+        // the client beside a body of another length.
+        "/both" => (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n4\r\nboth\r\n0\r\n\r\n",
+            false,
+        ),
         // Answers, then hangs up without saying so: the idle connection
         // must not be reused.
         "/then-close" => (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nthen-close", true),
@@ -122,6 +128,9 @@ async fn every_framing_arrives_whole_and_connections_are_reused() {
     assert_eq!(interim.status, StatusCode::CREATED);
     assert_eq!(interim.text(), "interim");
     assert_eq!(get("/no-content").await.status, StatusCode::NO_CONTENT);
+    let both = get("/both").await;
+    assert_eq!(both.text(), "both");
+    assert_ne!(both.header("content-length"), Some("2"));
     assert_eq!(
         upstream.connections.load(Ordering::SeqCst),
         1,

@@ -17,7 +17,7 @@ use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::{Context, Poll, Waker, ready};
+use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -98,10 +98,12 @@ pub fn client(config: &UpstreamConfig) -> Result<UpstreamClient, TlsError> {
     })
 }
 
-/// Where pooled connections go: one client, one scheme and authority.
+/// Where pooled connections go: one client, one runtime (a connection is
+/// registered with the runtime that made it), one scheme and authority.
 #[derive(Clone, PartialEq)]
 struct PoolKey {
     client: u64,
+    runtime: Option<tokio::runtime::Id>,
     https: bool,
     authority: Authority,
 }
@@ -123,13 +125,23 @@ fn checkout(key: &PoolKey) -> Option<Conn> {
 }
 
 fn checkin(key: PoolKey, mut conn: Conn) {
-    conn.idle_since = Instant::now();
+    let now = Instant::now();
+    conn.idle_since = now;
     POOL.with_borrow_mut(|pool| {
-        // Connections of clients replaced by a reload are never used again.
+        // A connection of a client that a reload replaced is not kept, nor
+        // are the older client's idle ones once the newer one pools.
+        if pool.iter().any(|(k, _)| k.client > key.client) {
+            return;
+        }
         pool.retain(|(k, _)| k.client == key.client);
         match pool.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, idle)) if idle.len() < MAX_IDLE_PER_UPSTREAM => idle.push(conn),
-            Some(_) => {}
+            Some((_, idle)) => {
+                // The oldest sit at the bottom: drop those past their time.
+                idle.retain(|c| now.duration_since(c.idle_since) <= IDLE_TIMEOUT);
+                if idle.len() < MAX_IDLE_PER_UPSTREAM {
+                    idle.push(conn);
+                }
+            }
             None => pool.push((key, vec![conn])),
         }
     });
@@ -190,26 +202,38 @@ struct Conn {
 
 impl Conn {
     /// Whether an idle connection can carry another request: not too old,
-    /// and nothing (an EOF, stray bytes) arrived while it was idle.
+    /// and nothing (an EOF, stray bytes, a TLS close) arrived while it was
+    /// idle.
     fn usable(&mut self) -> bool {
         if self.idle_since.elapsed() > IDLE_TIMEOUT || !self.buf.is_empty() {
             return false;
         }
-        let mut cx = Context::from_waker(Waker::noop());
-        match self.stream.tcp().poll_read_ready(&mut cx) {
-            Poll::Pending => true,
-            Poll::Ready(Err(_)) => false,
-            // Readable, or readiness left over from the last read: look.
-            Poll::Ready(Ok(())) => {
-                let mut probe = [0u8; 1];
-                matches!(self.stream.tcp().try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+        if let Stream::Tls(tls) = &mut self.stream {
+            match tls.get_mut().1.process_new_packets() {
+                Ok(state) if state.plaintext_bytes_to_read() == 0 && !state.peer_has_closed() => {}
+                _ => return false,
             }
+        }
+        // No system call unless the runtime saw the socket become readable
+        // (or readiness is left from the last read): then a one-byte probe.
+        // Any byte read means the connection is dropped anyway.
+        let mut probe = [0u8; 1];
+        matches!(self.stream.tcp().try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    }
+
+    /// Room for a read: the buffer's spare capacity, topped up only when
+    /// little is left, so consecutive small answers share one allocation
+    /// instead of each taking a fresh one (the frames split off keep theirs
+    /// alive until dropped).
+    fn make_room(&mut self) {
+        if self.buf.capacity() - self.buf.len() < 2048 {
+            self.buf.reserve(READ_CHUNK);
         }
     }
 
     /// Reads more bytes into the buffer; `Ok(0)` at EOF.
     async fn fill(&mut self) -> io::Result<usize> {
-        self.buf.reserve(READ_CHUNK);
+        self.make_room();
         self.stream.read_buf(&mut self.buf).await
     }
 }
@@ -224,6 +248,7 @@ impl UpstreamClient {
         let (parts, body) = request.into_parts();
         let key = PoolKey {
             client: self.inner.id,
+            runtime: tokio::runtime::Handle::try_current().ok().map(|h| h.id()),
             https: parts.uri.scheme() == Some(&Scheme::HTTPS),
             authority: parts
                 .uri
@@ -376,7 +401,8 @@ enum Chunked {
     Size,
     Data(u64),
     DataEnd,
-    Trailers(HeaderMap),
+    /// The trailers so far, and how many bytes of them.
+    Trailers(HeaderMap, usize),
     Done,
 }
 
@@ -422,6 +448,11 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                         headers.append(name, value);
                     }
                     let (framing, keep_alive) = framing(&response, head_only, minor)?;
+                    if response.headers().contains_key(header::TRANSFER_ENCODING) {
+                        // RFC 9112 §6.3: Transfer-Encoding overrides it, and
+                        // passed on it would misframe the answer downstream.
+                        response.headers_mut().remove(header::CONTENT_LENGTH);
+                    }
                     return Ok((response, framing, keep_alive));
                 }
                 Ok(httparse::Status::Partial) if conn.buf.len() > MAX_HEAD => {
@@ -461,23 +492,33 @@ fn framing(response: &Response<()>, head_only: bool, minor: u8) -> Result<(Frami
         return Ok((Framing::Empty, keep_alive));
     }
     if headers.contains_key(header::TRANSFER_ENCODING) {
-        if tokens(header::TRANSFER_ENCODING)
-            .next_back()
-            .is_some_and(|t| t.eq_ignore_ascii_case("chunked"))
+        if minor == 1
+            && tokens(header::TRANSFER_ENCODING)
+                .next_back()
+                .is_some_and(|t| t.eq_ignore_ascii_case("chunked"))
         {
             return Ok((Framing::Chunked(Chunked::Size), keep_alive));
         }
         return Ok((Framing::Close, false));
     }
     let mut length = None;
-    for value in tokens(header::CONTENT_LENGTH) {
-        let value: u64 = value
-            .parse()
-            .map_err(|_| UpstreamError::Protocol("content-length is not a number"))?;
-        if length.is_some_and(|l| l != value) {
-            return Err(UpstreamError::Protocol("conflicting content-length values"));
+    for value in headers.get_all(header::CONTENT_LENGTH) {
+        let value = value
+            .to_str()
+            .ok()
+            .map(|v| v.split(',').map(str::trim))
+            .into_iter()
+            .flatten();
+        for value in value {
+            let value = digits(value, 10).ok_or(UpstreamError::Protocol("content-length is not a number"))?;
+            if length.is_some_and(|l| l != value) {
+                return Err(UpstreamError::Protocol("conflicting content-length values"));
+            }
+            length = Some(value);
         }
-        length = Some(value);
+    }
+    if headers.contains_key(header::CONTENT_LENGTH) && length.is_none() {
+        return Err(UpstreamError::Protocol("content-length is not a number"));
     }
     Ok(match length {
         Some(0) => (Framing::Empty, keep_alive),
@@ -567,7 +608,7 @@ impl Body for UpstreamResponseBody {
                 }
             }
             let conn = this.conn.as_mut().expect("checked above");
-            conn.buf.reserve(READ_CHUNK);
+            conn.make_room();
             let read = ready!(tokio_util::io::poll_read_buf(
                 Pin::new(&mut conn.stream),
                 cx,
@@ -614,11 +655,10 @@ fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Frame<By
                     return if buf.len() > 1024 { Err(bad()) } else { Ok(None) };
                 };
                 let line = std::str::from_utf8(&buf[..end]).map_err(|_| bad())?;
-                let digits = line.split(';').next().unwrap_or("").trim();
-                let size = u64::from_str_radix(digits, 16).map_err(|_| bad())?;
+                let size = digits(line.split(';').next().unwrap_or("").trim(), 16).ok_or_else(bad)?;
                 buf.advance(end + 2);
                 *state = if size == 0 {
-                    Chunked::Trailers(HeaderMap::new())
+                    Chunked::Trailers(HeaderMap::new(), 0)
                 } else {
                     Chunked::Data(size)
                 };
@@ -645,10 +685,18 @@ fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Frame<By
                 buf.advance(2);
                 *state = Chunked::Size;
             }
-            Chunked::Trailers(trailers) => {
+            Chunked::Trailers(trailers, size) => {
                 let Some(end) = line_end(buf) else {
-                    return if buf.len() > MAX_HEAD { Err(bad()) } else { Ok(None) };
+                    return if *size + buf.len() > MAX_HEAD {
+                        Err(bad())
+                    } else {
+                        Ok(None)
+                    };
                 };
+                *size += end + 2;
+                if *size > MAX_HEAD || trailers.len() >= MAX_HEADERS {
+                    return Err(UpstreamError::Protocol("the trailers are too large"));
+                }
                 if end == 0 {
                     buf.advance(2);
                     let trailers = std::mem::take(trailers);
@@ -662,11 +710,19 @@ fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Frame<By
                 let start = value.iter().take_while(|b| b.is_ascii_whitespace()).count();
                 let trimmed = value.slice(start..);
                 let value = HeaderValue::from_bytes(trimmed.trim_ascii_end()).map_err(|_| bad())?;
-                trailers.append(name, value);
+                trailers.try_append(name, value).map_err(|_| bad())?;
             }
             Chunked::Done => return Ok(None),
         }
     }
+}
+
+/// A number of only digits of `radix` (no sign, unlike `from_str_radix`).
+fn digits(text: &str, radix: u32) -> Option<u64> {
+    if text.is_empty() || !text.chars().all(|c| c.is_digit(radix)) {
+        return None;
+    }
+    u64::from_str_radix(text, radix).ok()
 }
 
 fn line_end(buf: &[u8]) -> Option<usize> {
@@ -701,6 +757,17 @@ mod tests {
         let (data, _, done) = chunks(b"5\r\nhel");
         assert_eq!(data, b"hel");
         assert!(!done);
+    }
+
+    #[test]
+    fn trailers_are_bounded() {
+        let mut wire = b"0\r\n".to_vec();
+        for i in 0..MAX_HEADERS + 1 {
+            wire.extend_from_slice(format!("x-t{i}: 1\r\n").as_bytes());
+        }
+        let mut state = Chunked::Size;
+        let mut buf = BytesMut::from(&wire[..]);
+        assert!(next_chunk(&mut state, &mut buf).is_err());
     }
 
     #[test]
@@ -760,5 +827,12 @@ mod tests {
             )
             .is_err()
         );
+        assert!(framing(&response(200, &[("content-length", "+3")]), false, 1).is_err());
+        assert!(framing(&response(200, &[("content-length", "1, 1")]), false, 1).is_ok());
+        // HTTP/1.0 has no chunked coding: the body runs to the close.
+        assert!(matches!(
+            f(&response(200, &[("transfer-encoding", "chunked")]), false, 0),
+            (Framing::Close, false)
+        ));
     }
 }
