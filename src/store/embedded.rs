@@ -128,6 +128,19 @@ enum Op {
     },
 }
 
+impl Op {
+    /// About how many bytes the operation adds to the log.
+    fn log_bytes(&self) -> usize {
+        match self {
+            Op::Complete {
+                outcome: Outcome::Response(response),
+                ..
+            } => 128 + response.size(),
+            _ => 128,
+        }
+    }
+}
+
 /// Records by key; `None` is a removal not yet in the file.
 type Changes = HashMap<[u8; 32], Option<Bytes>>;
 
@@ -459,8 +472,10 @@ struct Wal {
 
 const PUT: u8 = 1;
 const REMOVE: u8 = 0;
-/// A segment's zero-filled size; a batch that starts near the end goes to
-/// the next segment. A segment outgrows it only by one batch.
+/// A segment's zero-filled size; a batch that starts within the headroom
+/// of the end goes to the next segment. Batches are cut at about the
+/// headroom's size, so only a single answer larger than it (up to
+/// `max_response_body`) makes a segment outgrow its zero-filled size.
 const SEGMENT_BYTES: u64 = 16 << 20;
 const SEGMENT_HEADROOM: u64 = 2 << 20;
 /// Spare segments kept ready (about 8 ms to zero-fill one here), so the
@@ -655,9 +670,15 @@ impl Writer {
                 Err(std_mpsc::RecvTimeoutError::Timeout) => {}
                 Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
             }
-            while batch.len() < MAX_BATCH {
+            // Bounded in count and in bytes: a batch of large answers stays
+            // within a segment's headroom, and its log in one buffer small.
+            let mut bytes = batch.iter().map(Op::log_bytes).sum::<usize>();
+            while batch.len() < MAX_BATCH && (bytes as u64) < SEGMENT_HEADROOM {
                 match ops.try_recv() {
-                    Ok(op) => batch.push(op),
+                    Ok(op) => {
+                        bytes += op.log_bytes();
+                        batch.push(op);
+                    }
                     Err(_) => break,
                 }
             }
@@ -1132,5 +1153,55 @@ mod tests {
             Wal::segments(&path).unwrap().iter().all(|(n, _)| *n > 1),
             "the stale segment was retired"
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn batches_of_large_answers_keep_segments_near_their_size() {
+        use crate::store::StoredResponse;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("big.redb");
+        let store = Arc::new(EmbeddedStore::open(&path).unwrap());
+        let body = Bytes::from(vec![b'x'; 100 * 1024]);
+        for round in 0..10u8 {
+            let tasks: Vec<_> = (0..64u8)
+                .map(|i| {
+                    let (store, body) = (store.clone(), body.clone());
+                    tokio::spawn(async move {
+                        let (key, owner) = (
+                            RecordKey([
+                                round, i, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7,
+                                7, 7, 7, 7,
+                            ]),
+                            Owner::new(),
+                        );
+                        store
+                            .claim(&key, &Fingerprint([1; 32]), owner, Duration::from_secs(30), None)
+                            .await
+                            .unwrap();
+                        let outcome = Outcome::Response(Arc::new(StoredResponse {
+                            status: http::StatusCode::OK,
+                            headers: Vec::new(),
+                            body,
+                        }));
+                        assert!(
+                            store
+                                .complete(&key, owner, outcome, Duration::from_secs(30))
+                                .await
+                                .unwrap()
+                        );
+                    })
+                })
+                .collect();
+            for task in tasks {
+                task.await.unwrap();
+            }
+        }
+        let mut files = Wal::segments(&path).unwrap();
+        files.extend(Wal::numbered(&path, "-wal-spare.").unwrap());
+        assert!(files.len() > 1);
+        for (_, file) in files {
+            let size = std::fs::metadata(&file).unwrap().len();
+            assert!(size <= SEGMENT_BYTES + 200 * 1024, "{} is {size} bytes", file.display());
+        }
     }
 }
