@@ -190,3 +190,28 @@ path = "/chunked"
     let bodies = upstream.bodies.lock().unwrap().clone();
     assert_eq!(bodies, vec![br#"{"a":1}"#.to_vec(), big.into_bytes()]);
 }
+
+/// A pass-through body of unknown length goes upstream chunked.
+#[tokio::test]
+async fn bodies_of_unknown_length_go_upstream_chunked() {
+    let upstream = support::Upstream::start(|_, seen| {
+        support::Reply::status(200, &format!("{}", String::from_utf8_lossy(&seen.body)))
+    })
+    .await;
+    let proxy = Proxy::start(&upstream.url(), "").await;
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    stream
+        .write_all(
+            b"POST /stream HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n\
+              5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await.unwrap();
+    let response = String::from_utf8_lossy(&response);
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(response.ends_with("hello world"), "{response}");
+    let seen = &upstream.seen()[0];
+    assert_eq!(seen.headers.get("transfer-encoding").unwrap(), "chunked");
+}
