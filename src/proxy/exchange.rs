@@ -246,20 +246,36 @@ impl Recorder {
         }
     }
 
-    /// The body in a buffer of its own. The chunks are slices of the
-    /// connection's read buffer: keeping one would pin the whole buffer
-    /// (kilobytes for an answer of a few bytes) for as long as the record.
-    fn body(self) -> Bytes {
-        match self.chunks.len() {
-            0 => Bytes::new(),
-            1 => Bytes::copy_from_slice(&self.chunks[0]),
-            _ => {
-                let mut body = BytesMut::with_capacity(self.len);
-                for chunk in self.chunks {
-                    body.extend_from_slice(&chunk);
-                }
-                body.freeze()
-            }
+    /// The stored answer, its header values and body in one buffer of its
+    /// own. The header values and chunks are slices of the connection's
+    /// read buffer: keeping one would pin the whole buffer (kilobytes for an
+    /// answer of a few bytes) for as long as the record. One buffer is one
+    /// allocation to make and, when the record goes, one to free.
+    fn stored(self, status: StatusCode, headers: Vec<(HeaderName, HeaderValue)>) -> StoredResponse {
+        let values: usize = headers.iter().map(|(_, value)| value.len()).sum();
+        let mut block = BytesMut::with_capacity(values + self.len);
+        for (_, value) in &headers {
+            block.extend_from_slice(value.as_bytes());
+        }
+        for chunk in &self.chunks {
+            block.extend_from_slice(chunk);
+        }
+        let block = block.freeze();
+        let mut at = 0;
+        let headers = headers
+            .into_iter()
+            .map(|(name, value)| {
+                let slice = block.slice(at..at + value.len());
+                at += value.len();
+                let mut stored = HeaderValue::from_maybe_shared(slice).expect("a header value stays valid");
+                stored.set_sensitive(value.is_sensitive());
+                (name, stored)
+            })
+            .collect();
+        StoredResponse {
+            status,
+            headers,
+            body: block.slice(at..),
         }
     }
 }
@@ -489,26 +505,18 @@ async fn settle(
     let outcome = if recorder.over_limit {
         Outcome::NotReplayable
     } else {
-        Outcome::Response(Arc::new(StoredResponse {
-            status,
-            headers,
-            body: recorder.body(),
-        }))
+        Outcome::Response(Arc::new(recorder.stored(status, headers)))
     };
     guard.complete(outcome, policy.ttl).await;
 }
 
-/// The response headers a record keeps: all but `replay_drop_headers`, each
-/// value copied out of the connection's read buffer, like the body.
+/// The response headers a record keeps: all but `replay_drop_headers`
+/// (copied out of the read buffer with the body, by [`Recorder::stored`]).
 fn stored_headers(headers: &HeaderMap, policy: &Policy) -> Vec<(HeaderName, HeaderValue)> {
     headers
         .iter()
         .filter(|(name, _)| !policy.replay_drop_headers.contains(name))
-        .map(|(name, value)| {
-            let mut copy = HeaderValue::from_bytes(value.as_bytes()).expect("a header value stays valid");
-            copy.set_sensitive(value.is_sensitive());
-            (name.clone(), copy)
-        })
+        .map(|(name, value)| (name.clone(), value.clone()))
         .collect()
 }
 
