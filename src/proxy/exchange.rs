@@ -8,6 +8,7 @@
 //! [`ClaimGuard`] that renews the lease while it lives and releases the
 //! claim if the task ends without settling it.
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -108,14 +109,17 @@ impl ClaimGuard {
     }
 
     /// Runs `work`, starting the renewal if it lasts a third of the lease.
-    async fn renewing<F: Future>(&mut self, work: F) -> F::Output {
+    /// `work` is pinned by the caller: taken by value, it would be held
+    /// here two or three times over (the upstream request is ~2 KB), and the
+    /// exchange task that is moved into the runtime would be that much
+    /// larger.
+    async fn renewing<F: Future>(&mut self, mut work: Pin<&mut F>) -> F::Output {
         if self.renewal.is_some() {
             return work.await;
         }
-        tokio::pin!(work);
         tokio::select! {
             biased;
-            done = &mut work => return done,
+            done = work.as_mut() => return done,
             () = tokio::time::sleep(self.every()) => {}
         }
         self.start_renewal();
@@ -315,7 +319,10 @@ impl Exchange {
         let deadline = Instant::now() + timeout;
         let started = Instant::now();
         let sent = guard
-            .renewing(tokio::time::timeout_at(deadline, client.request(request)))
+            .renewing(std::pin::pin!(tokio::time::timeout_at(
+                deadline,
+                client.request(request)
+            )))
             .await;
         metrics.upstream_latency.observe(started.elapsed());
         let response = match sent {

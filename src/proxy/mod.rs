@@ -419,7 +419,10 @@ impl Gateway {
         forward::prepare(&mut request, upstream, peer);
         let deadline = Instant::now() + self.config.upstream.timeout;
         let started = Instant::now();
-        let sent = tokio::time::timeout_at(deadline, self.client.request(request)).await;
+        // Boxed: inline, the upstream request (~2 KB) would size the future
+        // of every request, including the idempotent ones that reach this
+        // path only to refuse or bypass.
+        let sent = tokio::time::timeout_at(deadline, Box::pin(self.client.request(request))).await;
         self.metrics.upstream_latency.observe(started.elapsed());
         match sent {
             Ok(Ok(response)) => {
