@@ -17,9 +17,11 @@
 //!   (SO_REUSEPORT), the admin listener (`/healthz`, `/readyz`, `/metrics`,
 //!   `/records`), reload and graceful shutdown.
 //! - [`proxy`]: the request pipeline, one step a file: route, key, body,
-//!   fingerprint, claim, exchange (forward, stream, record), problem.
+//!   fingerprint, claim, exchange (forward, stream, record), problem; and
+//!   the upstream HTTP/1.1 client with its per-worker connection pool.
 //! - [`store`]: the [`store::Store`] contract, the record codec, and its
-//!   backends: memory, embedded (redb), Redis and Redis Cluster.
+//!   backends: memory, embedded (redb behind a write-ahead log), Redis and
+//!   Redis Cluster.
 //! - [`telemetry`]: tracing setup and the metrics.
 //!
 //! # The life of a request

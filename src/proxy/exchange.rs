@@ -64,6 +64,8 @@ struct ClaimGuard {
     owner: Owner,
     lease: Duration,
     metrics: Arc<Metrics>,
+    /// When the lease began: renewals fall due a third of it on from here.
+    claimed_at: Instant,
     renewal: Option<JoinHandle<()>>,
     settled: bool,
 }
@@ -77,6 +79,7 @@ impl ClaimGuard {
             owner,
             lease,
             metrics,
+            claimed_at: Instant::now(),
             renewal: None,
             settled: false,
         }
@@ -86,14 +89,16 @@ impl ClaimGuard {
         (self.lease / 3).max(Duration::from_millis(1))
     }
 
-    /// Renews the lease every third of it from now on, until settled.
+    /// Renews the lease every third of it, counted from the claim, until
+    /// settled: a renewal started early does not renew a fresh lease.
     fn start_renewal(&mut self) {
         if self.renewal.is_some() {
             return;
         }
         let (store, key, owner, lease, every) = (self.store.clone(), self.key, self.owner, self.lease, self.every());
+        let first = self.claimed_at + every;
         self.renewal = Some(tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
+            let mut tick = tokio::time::interval_at(first, every);
             loop {
                 tick.tick().await;
                 match store.renew(&key, owner, lease).await {
@@ -114,13 +119,10 @@ impl ClaimGuard {
     /// exchange task that is moved into the runtime would be that much
     /// larger.
     async fn renewing<F: Future>(&mut self, mut work: Pin<&mut F>) -> F::Output {
-        if self.renewal.is_some() {
-            return work.await;
-        }
         tokio::select! {
             biased;
             done = work.as_mut() => return done,
-            () = tokio::time::sleep(self.every()) => {}
+            () = tokio::time::sleep_until(self.claimed_at + self.every()) => {}
         }
         self.start_renewal();
         work.await
@@ -174,16 +176,7 @@ impl Drop for ClaimGuard {
         if let Some(renewal) = self.renewal.take() {
             renewal.abort();
         }
-        let (store, key, owner) = (self.store.clone(), self.key, self.owner);
-        // No runtime (the process is ending): the lease ends it instead.
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        runtime.spawn(async move {
-            if let Err(error) = store.release(&key, owner).await {
-                tracing::warn!(key = %key.tag(), %error, "releasing an abandoned claim failed");
-            }
-        });
+        self.store.release_in_background(self.key, self.owner);
     }
 }
 

@@ -1,7 +1,8 @@
 //! The request as it goes upstream (hop-by-hop headers dropped,
 //! `X-Forwarded-*` set) and the cleaned response head; the client itself
-//! is in [`super::upstream`].
+//! is in the `upstream` module.
 
+use std::fmt::Write as _;
 use std::net::SocketAddr;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -71,17 +72,14 @@ pub fn prepare(request: &mut Request<UpstreamBody>, upstream: &Uri, peer: Peer) 
     // The Host of the upstream, as nginx's default `proxy_set_header Host
     // $proxy_host`; the client's Host travels in X-Forwarded-Host.
     headers.remove(header::HOST);
-    let client_ip = peer.addr.ip().to_string();
     // Every earlier hop, from every X-Forwarded-For line, then this client.
-    let mut hops: Vec<&str> = headers
-        .get_all(&X_FORWARDED_FOR)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|v| !v.is_empty())
-        .collect();
-    hops.push(&client_ip);
-    let forwarded_for = hops.join(", ");
+    let mut forwarded_for = String::new();
+    let earlier = headers.get_all(&X_FORWARDED_FOR).iter().filter_map(|v| v.to_str().ok());
+    for hop in earlier.map(str::trim).filter(|v| !v.is_empty()) {
+        forwarded_for.push_str(hop);
+        forwarded_for.push_str(", ");
+    }
+    let _ = write!(forwarded_for, "{}", peer.addr.ip());
     headers.remove(&X_FORWARDED_FOR);
     if let Ok(value) = HeaderValue::from_str(&forwarded_for) {
         headers.insert(X_FORWARDED_FOR.clone(), value);

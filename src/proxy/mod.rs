@@ -150,8 +150,7 @@ impl Gateway {
             Routed::Idempotent(live, params) => self.idempotent(live, params, request, peer).await,
             Routed::PassThrough(upstream) => {
                 self.passthrough.count(Outcome::Passthrough);
-                let upstream = upstream.clone();
-                self.forward(request.map(Either::Right), &upstream, peer).await
+                self.forward(request.map(Either::Right), upstream, peer).await
             }
         }
     }
@@ -465,14 +464,7 @@ struct Unsettled<'a> {
 impl Drop for Unsettled<'_> {
     fn drop(&mut self) {
         if self.armed {
-            let (store, key, owner) = (self.store.clone(), self.key, self.owner);
-            // No runtime (the process is ending): the lease ends it instead.
-            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-                return;
-            };
-            runtime.spawn(async move {
-                let _ = store.release(&key, owner).await;
-            });
+            self.store.release_in_background(self.key, self.owner);
         }
     }
 }

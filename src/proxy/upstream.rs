@@ -13,7 +13,7 @@
 //! or stray bytes) since the last response was read to its end.
 
 use std::cell::RefCell;
-use std::io;
+use std::io::{self, Write as _};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -330,7 +330,9 @@ fn encode_head(parts: &http::request::Parts, authority: &Authority, length: Opti
     }
     match length {
         Some(0) if bodiless(&parts.method) => {}
-        Some(length) => head.extend_from_slice(format!("content-length: {length}\r\n").as_bytes()),
+        Some(length) => {
+            let _ = write!(head, "content-length: {length}\r\n");
+        }
         None => head.extend_from_slice(b"transfer-encoding: chunked\r\n"),
     }
     head.extend_from_slice(b"\r\n");
@@ -369,10 +371,12 @@ async fn write_request(
                     continue;
                 }
                 if length.is_none() {
-                    let size = format!("{:x}\r\n", data.len());
-                    conn.stream.write_all(size.as_bytes()).await.map_err(io)?;
-                    conn.stream.write_all(&data).await.map_err(io)?;
-                    conn.stream.write_all(b"\r\n").await.map_err(io)?;
+                    // One write per chunk: size line, data and CRLF.
+                    let mut chunk = Vec::with_capacity(data.len() + 20);
+                    let _ = write!(chunk, "{:x}\r\n", data.len());
+                    chunk.extend_from_slice(&data);
+                    chunk.extend_from_slice(b"\r\n");
+                    conn.stream.write_all(&chunk).await.map_err(io)?;
                 } else {
                     conn.stream.write_all(&data).await.map_err(io)?;
                 }
@@ -482,7 +486,7 @@ fn framing(response: &Response<()>, head_only: bool, minor: u8) -> Result<(Frami
             .map(str::trim)
             .filter(|t| !t.is_empty())
     };
-    let mut keep_alive = if minor == 1 {
+    let keep_alive = if minor == 1 {
         !tokens(header::CONNECTION).any(|t| t.eq_ignore_ascii_case("close"))
     } else {
         tokens(header::CONNECTION).any(|t| t.eq_ignore_ascii_case("keep-alive"))
@@ -501,32 +505,21 @@ fn framing(response: &Response<()>, head_only: bool, minor: u8) -> Result<(Frami
         }
         return Ok((Framing::Close, false));
     }
+    let not_a_number = || UpstreamError::Protocol("content-length is not a number");
     let mut length = None;
     for value in headers.get_all(header::CONTENT_LENGTH) {
-        let value = value
-            .to_str()
-            .ok()
-            .map(|v| v.split(',').map(str::trim))
-            .into_iter()
-            .flatten();
-        for value in value {
-            let value = digits(value, 10).ok_or(UpstreamError::Protocol("content-length is not a number"))?;
+        for value in value.to_str().map_err(|_| not_a_number())?.split(',') {
+            let value = digits(value.trim(), 10).ok_or_else(not_a_number)?;
             if length.is_some_and(|l| l != value) {
                 return Err(UpstreamError::Protocol("conflicting content-length values"));
             }
             length = Some(value);
         }
     }
-    if headers.contains_key(header::CONTENT_LENGTH) && length.is_none() {
-        return Err(UpstreamError::Protocol("content-length is not a number"));
-    }
     Ok(match length {
         Some(0) => (Framing::Empty, keep_alive),
         Some(length) => (Framing::Length(length), keep_alive),
-        None => {
-            keep_alive = false;
-            (Framing::Close, keep_alive)
-        }
+        None => (Framing::Close, false),
     })
 }
 

@@ -34,7 +34,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc as std_mpsc;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -44,7 +44,7 @@ use tokio::sync::oneshot;
 
 use super::codec::{self, Decoded};
 use super::waiters::Waiters;
-use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError};
+use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 
 /// Record key -> deadline (ms since the epoch, big-endian) ++ encoded record.
 const RECORDS: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("records");
@@ -82,10 +82,6 @@ fn ms(d: Duration) -> u64 {
 
 fn unavailable(e: impl std::error::Error + Send + Sync + 'static) -> StoreError {
     StoreError::Unavailable(Box::new(e))
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -186,7 +182,7 @@ impl Shared {
         let generation = {
             let overlay = lock(&self.overlay);
             if let Some(change) = overlay.active.get(&key.0).or_else(|| overlay.frozen.get(&key.0)) {
-                let stored = change.as_deref().map(split).transpose()?;
+                let stored = change.as_ref().map(split_shared).transpose()?;
                 return Ok(Found {
                     stored,
                     generation: overlay.generation,
@@ -222,13 +218,25 @@ struct Stored {
     record: Bytes,
 }
 
+/// The deadline at the head of a stored value.
+fn deadline_of(value: &[u8]) -> Result<u64, StoreError> {
+    let head = value.get(..8).ok_or(StoreError::Corrupt("record without deadline"))?;
+    Ok(u64::from_be_bytes(head.try_into().expect("8 bytes")))
+}
+
+/// A value read from the file: its record copied out of the page.
 fn split(value: &[u8]) -> Result<Stored, StoreError> {
-    if value.len() < 8 {
-        return Err(StoreError::Corrupt("record without deadline"));
-    }
     Ok(Stored {
-        deadline: u64::from_be_bytes(value[..8].try_into().expect("8 bytes")),
+        deadline: deadline_of(value)?,
         record: Bytes::copy_from_slice(&value[8..]),
+    })
+}
+
+/// A value in the overlay: its record shared, not copied.
+fn split_shared(value: &Bytes) -> Result<Stored, StoreError> {
+    Ok(Stored {
+        deadline: deadline_of(value)?,
+        record: value.slice(8..),
     })
 }
 
@@ -808,7 +816,7 @@ impl Batch<'_> {
     /// `key` (see [`Shared::find`]).
     fn live_unless(&self, key: &RecordKey, absent_at: Option<u64>) -> Result<Option<Stored>, StoreError> {
         let stored = match self.changes.get(&key.0) {
-            Some(change) => change.as_deref().map(split).transpose()?,
+            Some(change) => change.as_ref().map(split_shared).transpose()?,
             None => self.shared.find(key, absent_at)?.stored,
         };
         Ok(stored.filter(|s| s.deadline > self.now))
@@ -1003,7 +1011,7 @@ impl Checkpointer {
             }
             for (key, change) in changes.into_iter().flat_map(|(changes, _)| changes) {
                 written += 1;
-                let live = change.as_ref().filter(|v| split(v).is_ok_and(|s| s.deadline > now));
+                let live = change.as_ref().filter(|v| deadline_of(v).is_ok_and(|d| d > now));
                 match live {
                     Some(value) => table.insert(key, value.as_ref()).map(drop),
                     None => table.remove(key).map(drop),
@@ -1022,7 +1030,7 @@ impl Checkpointer {
                 for entry in table.range::<&[u8; 32]>(&start..).map_err(unavailable)? {
                     let (key, value) = entry.map_err(unavailable)?;
                     let key = *key.value();
-                    if split(value.value()).is_ok_and(|s| s.deadline <= now) {
+                    if deadline_of(value.value()).is_ok_and(|d| d <= now) {
                         expired.push(key);
                     }
                     last = Some(key);

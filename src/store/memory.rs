@@ -19,7 +19,7 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError};
+use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 
 const SHARDS: usize = 16;
 /// Bytes a record costs besides its response: its map entries, the two
@@ -92,12 +92,6 @@ fn shard_of(key: &RecordKey) -> usize {
         .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
         .fold(0, |a, w| a ^ w);
     (folded.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SHARDS.trailing_zeros())) as usize
-}
-
-fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    // A panic while holding the lock cannot leave a shard half-updated in a
-    // way that matters more than losing the process, so carry on.
-    shard.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn outcome_size(outcome: &Outcome) -> usize {

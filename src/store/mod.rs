@@ -13,8 +13,8 @@ mod waiters;
 
 use std::fmt;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -26,6 +26,13 @@ pub use memory::MemoryStore;
 pub use redis::RedisStore;
 
 use crate::config::{StoreBackend, StoreConfig};
+
+/// Locks `mutex`, poisoned or not: a panic while holding one of the
+/// stores' locks cannot leave its data half-updated in a way that matters
+/// more than losing the process, so carry on.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 /// Where a record lives: SHA-256 over the scope values and the key.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -235,6 +242,21 @@ impl StoreHandle {
 
     pub async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
         self.deadline(self.store.release(key, owner)).await
+    }
+
+    /// Releases `key` for `owner` in a task of its own: for a drop guard,
+    /// which cannot wait. Without a runtime (the process is ending), the
+    /// lease ends the claim instead.
+    pub fn release_in_background(&self, key: RecordKey, owner: Owner) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.clone();
+        runtime.spawn(async move {
+            if let Err(error) = store.release(&key, owner).await {
+                tracing::warn!(key = %key.tag(), %error, "releasing an abandoned claim failed");
+            }
+        });
     }
 
     pub async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {

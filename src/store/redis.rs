@@ -34,7 +34,7 @@ use tokio::sync::OnceCell;
 
 use super::codec::{self, Decoded};
 use super::waiters::Waiters;
-use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError};
+use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 
 /// Completions and releases are announced here, payload the record's key.
 const CHANNEL: &str = "idemgate:done";
@@ -50,7 +50,7 @@ end
 if ARGV[3] ~= '0' and string.byte(v, 2) ~= 0 and string.sub(v, 3, 34) == string.sub(ARGV[1], 3, 34) then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
 end
-return {v, 0}
+return v
 ";
 
 const OWNED: &str = r"
@@ -182,7 +182,7 @@ impl<T: Clone> PerThread<T> {
     }
 
     fn get_or(&self, make: impl FnOnce() -> Result<T, RedisError>) -> Result<T, RedisError> {
-        let mut slots = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slots = lock(&self.0);
         let id = std::thread::current().id();
         if let Some(value) = slots.get(&id) {
             return Ok(value.clone());
@@ -225,9 +225,14 @@ fn redis_key(key: &RecordKey) -> String {
     format!("idemgate:{{{}}}", hex::encode(key.0))
 }
 
-/// The key that flags a record as waited on: in the record's slot.
-fn flag_key(key: &RecordKey) -> String {
-    format!("idemgate:{{{}}}:w", hex::encode(key.0))
+/// An invocation of `script` on a record's key and the key that flags the
+/// record as waited on (`<record key>:w`, in the same slot).
+fn on_record<'a>(script: &'a Script, key: &RecordKey) -> ScriptInvocation<'a> {
+    let record = redis_key(key);
+    let flag = format!("{record}:w");
+    let mut invocation = script.key(record);
+    invocation.key(flag);
+    invocation
 }
 
 fn record_key_of(redis_key: &[u8]) -> Option<RecordKey> {
@@ -334,18 +339,29 @@ impl RedisStore {
             Err(error) if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => {
                 tracing::info!(%error, "this Redis refuses SET NX GET; claiming with a script instead");
                 self.native_claim.store(false, Ordering::Relaxed);
-                let mut invocation = self.scripts.claim.key(redis_key(key));
-                invocation.arg(claim).arg(lease).arg(0);
-                let found: Option<(Vec<u8>, i64)> = self.invoke(&invocation).await?;
-                Ok(found.map(|(record, _)| record))
+                self.claim_by_script(key, claim, lease, 0).await
             }
             Err(error) => Err(unavailable(error)),
         }
     }
 
+    /// Claims with the claim script; a replayed record with the same
+    /// fingerprint gets its TTL set to `refresh` ms (0: left alone).
+    async fn claim_by_script(
+        &self,
+        key: &RecordKey,
+        claim: &[u8],
+        lease: u64,
+        refresh: u64,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let mut invocation = self.scripts.claim.key(redis_key(key));
+        invocation.arg(claim).arg(lease).arg(refresh);
+        self.invoke(&invocation).await
+    }
+
     async fn owned(&self, script: &Script, key: &RecordKey, owner: Owner, args: &[&[u8]]) -> Result<bool, StoreError> {
-        let mut invocation = script.key(redis_key(key));
-        invocation.key(flag_key(key)).arg(&codec::owner_bytes(owner)[..]);
+        let mut invocation = on_record(script, key);
+        invocation.arg(&codec::owner_bytes(owner)[..]);
         for arg in args {
             invocation.arg(*arg);
         }
@@ -369,10 +385,8 @@ impl Store for RedisStore {
             self.claim_natively(key, &claim, ms(lease)).await?
         } else {
             // A replay that refreshes the TTL must do it in the same step.
-            let mut invocation = self.scripts.claim.key(redis_key(key));
-            invocation.arg(claim).arg(ms(lease)).arg(refresh_ttl.map_or(0, ms));
-            let found: Option<(Vec<u8>, i64)> = self.invoke(&invocation).await?;
-            found.map(|(record, _)| record)
+            self.claim_by_script(key, &claim, ms(lease), refresh_ttl.map_or(0, ms))
+                .await?
         };
         let Some(record) = found else {
             return Ok(Claim::Claimed);
@@ -417,9 +431,7 @@ impl Store for RedisStore {
         let notified = registration.notify.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        let mut watch = self.scripts.watch.key(redis_key(key));
-        watch.key(flag_key(key));
-        let found: Option<(Vec<u8>, i64)> = self.invoke(&watch).await?;
+        let found: Option<(Vec<u8>, i64)> = self.invoke(&on_record(&self.scripts.watch, key)).await?;
         let Some((record, pttl)) = found else {
             return Ok(());
         };
@@ -450,8 +462,8 @@ impl Store for RedisStore {
     }
 
     async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        let mut invocation = self.scripts.purge.key(redis_key(key));
-        invocation.key(flag_key(key)).arg(CHANNEL);
+        let mut invocation = on_record(&self.scripts.purge, key);
+        invocation.arg(CHANNEL);
         let removed: i64 = self.invoke(&invocation).await?;
         Ok(removed == 1)
     }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
-use super::RecordKey;
+use super::{RecordKey, lock};
 
 #[derive(Default)]
 pub struct Waiters {
@@ -25,7 +25,7 @@ impl Waiters {
     /// from the registration *before* re-checking the record, so a wake
     /// between the check and the wait is not lost.
     pub fn register(&self, key: RecordKey) -> Registration<'_> {
-        let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        let mut keys = lock(&self.keys);
         let entry = keys.entry(key).or_insert_with(|| (Arc::new(Notify::new()), 0));
         entry.1 += 1;
         Registration {
@@ -37,7 +37,7 @@ impl Waiters {
 
     /// Wakes every waiter of `key`.
     pub fn wake(&self, key: &RecordKey) {
-        let keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        let keys = lock(&self.keys);
         if let Some((notify, _)) = keys.get(key) {
             notify.notify_waiters();
         }
@@ -45,7 +45,7 @@ impl Waiters {
 
     /// Wakes everyone: used when notifications may have been missed.
     pub fn wake_all(&self) {
-        let keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        let keys = lock(&self.keys);
         for (notify, _) in keys.values() {
             notify.notify_waiters();
         }
@@ -54,7 +54,7 @@ impl Waiters {
 
 impl Drop for Registration<'_> {
     fn drop(&mut self) {
-        let mut keys = self.waiters.keys.lock().unwrap_or_else(|p| p.into_inner());
+        let mut keys = lock(&self.waiters.keys);
         if let Some(entry) = keys.get_mut(&self.key) {
             entry.1 -= 1;
             if entry.1 == 0 {
