@@ -2,11 +2,11 @@
 //! answer to the client while recording it, and complete (or release) the
 //! claim before the last byte reaches the client.
 //!
-//! The exchange runs in a task of its own, so a client that hangs up cannot
-//! cancel it: the task reads the rest of the upstream body into the record
-//! and completes it, and the client's retry replays. The task owns a
+//! The exchange cannot be cancelled by a client that hangs up: it moves to
+//! a task of its own, reads the rest of the upstream body into the record
+//! and completes it, and the client's retry replays. The exchange owns a
 //! [`ClaimGuard`] that renews the lease while it lives and releases the
-//! claim if the task ends without settling it.
+//! claim if the exchange ends without settling it.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -284,14 +284,51 @@ enum Failure {
     Broken,
 }
 
-/// Runs the exchange in its own task and returns the client's response.
+/// Runs the exchange and returns the client's response.
+///
+/// The exchange runs inside the request's own future while the response is
+/// made, which for a small answer is the whole exchange: no task to spawn,
+/// no hop between tasks. Whatever is left when the response goes out (the
+/// relay of a streamed body), or when the client hangs up and the request's
+/// future is dropped, moves to a task of its own: see [`Handoff`].
 pub async fn run(tracker: &TaskTracker, exchange: Exchange) -> Response<ResponseBody> {
-    let (reply, response) = oneshot::channel();
-    // In the request's span, so its logs and outcome carry the route and key.
-    tracker.spawn(exchange.drive(reply).instrument(Span::current()));
-    response
-        .await
-        .unwrap_or_else(|_| Problem::UpstreamUnavailable("the exchange ended unexpectedly".into()).response())
+    let (reply, mut response) = oneshot::channel();
+    // In the request's span, so its logs and outcome carry the route and key
+    // wherever it ends up running.
+    let mut handoff = Handoff {
+        tracker,
+        exchange: Some(Box::pin(exchange.drive(reply).instrument(Span::current()))),
+    };
+    let response = std::future::poll_fn(|cx| {
+        if let Some(exchange) = &mut handoff.exchange
+            && exchange.as_mut().poll(cx).is_ready()
+        {
+            handoff.exchange = None;
+        }
+        Pin::new(&mut response).poll(cx)
+    })
+    .await;
+    drop(handoff);
+    response.unwrap_or_else(|_| Problem::UpstreamUnavailable("the exchange ended unexpectedly".into()).response())
+}
+
+/// An exchange that must run to its end: dropped unfinished, it is spawned
+/// on the tracker, so a client that hangs up cannot cancel it. It is boxed
+/// from the start, so handing it over moves a pointer, not the future.
+struct Handoff<'a> {
+    tracker: &'a TaskTracker,
+    exchange: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+}
+
+impl Drop for Handoff<'_> {
+    fn drop(&mut self) {
+        let Some(exchange) = self.exchange.take() else { return };
+        // Without a runtime (it is shutting down) the exchange is dropped:
+        // its guard releases the claim as best it can.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(self.tracker.track_future(exchange));
+        }
+    }
 }
 
 impl Exchange {
