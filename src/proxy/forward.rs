@@ -3,7 +3,7 @@
 //! is in the `upstream` module.
 
 use std::fmt::Write as _;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
@@ -29,12 +29,24 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 
 /// Removes hop-by-hop headers, including every header `Connection` names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // One pass over the names finds most heads have none: nine removals,
+    // each a hash and a probe, are then not needed.
+    if !headers
+        .keys()
+        .any(|name| HOP_BY_HOP.contains(name) || name == header::TRAILER)
+    {
+        return;
+    }
+    // `Connection: keep-alive` or `close`, the usual values, name nothing
+    // that is not removed anyway.
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .map(str::trim)
+        .filter(|name| !name.eq_ignore_ascii_case("keep-alive") && !name.eq_ignore_ascii_case("close"))
+        .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
         .collect();
     for name in named.iter().chain(HOP_BY_HOP.iter()) {
         headers.remove(name);
@@ -73,13 +85,13 @@ pub fn prepare(request: &mut Request<UpstreamBody>, upstream: &Uri, peer: Peer) 
     // $proxy_host`; the client's Host travels in X-Forwarded-Host.
     headers.remove(header::HOST);
     // Every earlier hop, from every X-Forwarded-For line, then this client.
-    let mut forwarded_for = String::new();
+    let mut forwarded_for = String::with_capacity(64);
     let earlier = headers.get_all(&X_FORWARDED_FOR).iter().filter_map(|v| v.to_str().ok());
     for hop in earlier.map(str::trim).filter(|v| !v.is_empty()) {
         forwarded_for.push_str(hop);
         forwarded_for.push_str(", ");
     }
-    let _ = write!(forwarded_for, "{}", peer.addr.ip());
+    push_ip(&mut forwarded_for, peer.addr.ip());
     headers.remove(&X_FORWARDED_FOR);
     if let Ok(value) = HeaderValue::from_str(&forwarded_for) {
         headers.insert(X_FORWARDED_FOR.clone(), value);
@@ -92,6 +104,30 @@ pub fn prepare(request: &mut Request<UpstreamBody>, upstream: &Uri, peer: Peer) 
         Some(host) => headers.insert(X_FORWARDED_HOST.clone(), host),
         None => headers.remove(&X_FORWARDED_HOST),
     };
+}
+
+/// Appends `ip` as text; an IPv4 address, the common case, without the
+/// formatting machinery.
+fn push_ip(text: &mut String, ip: IpAddr) {
+    match ip {
+        IpAddr::V4(v4) => {
+            for (i, octet) in v4.octets().into_iter().enumerate() {
+                if i > 0 {
+                    text.push('.');
+                }
+                if octet >= 100 {
+                    text.push(char::from(b'0' + octet / 100));
+                }
+                if octet >= 10 {
+                    text.push(char::from(b'0' + octet / 10 % 10));
+                }
+                text.push(char::from(b'0' + octet % 10));
+            }
+        }
+        IpAddr::V6(v6) => {
+            let _ = write!(text, "{v6}");
+        }
+    }
 }
 
 #[cfg(test)]
@@ -109,5 +145,35 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn a_named_header_goes_even_when_connection_is_the_only_hop_by_hop_one() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("x-secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert!(h.is_empty());
+        let mut h = HeaderMap::new();
+        h.insert(header::TRAILER, HeaderValue::from_static("x-sum"));
+        strip_hop_by_hop(&mut h);
+        assert!(h.is_empty());
+    }
+
+    #[test]
+    fn addresses_are_written_as_std_writes_them() {
+        for ip in [
+            "0.0.0.0",
+            "127.0.0.1",
+            "10.20.30.40",
+            "255.255.255.255",
+            "1.100.9.99",
+            "::1",
+            "2001:db8::7",
+        ] {
+            let mut text = String::from("x, ");
+            push_ip(&mut text, ip.parse().unwrap());
+            assert_eq!(text, format!("x, {ip}"));
+        }
     }
 }

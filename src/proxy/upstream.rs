@@ -347,8 +347,12 @@ async fn write_request(
 ) -> Result<(), UpstreamError> {
     let io = UpstreamError::Io;
     match body {
-        Either::Left(full) => {
-            let bytes = full.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+        Either::Left(mut full) => {
+            // A `Full` body is one data frame, or none when empty.
+            let bytes = match full.frame().await {
+                Some(Ok(frame)) => frame.into_data().unwrap_or_default(),
+                _ => Bytes::new(),
+            };
             let mut head = encode_head(parts, authority, Some(bytes.len() as u64));
             if bytes.len() <= COALESCE {
                 head.extend_from_slice(&bytes);

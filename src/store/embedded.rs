@@ -29,7 +29,6 @@
 //! the checkpoint thread's sweep, which walks the table a batch at a time
 //! (a cursor that wraps around), so no second index is kept.
 
-use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -44,7 +43,7 @@ use tokio::sync::oneshot;
 
 use super::codec::{self, Decoded};
 use super::waiters::Waiters;
-use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
+use super::{Claim, Fingerprint, KeyMap, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 
 /// Record key -> deadline (ms since the epoch, big-endian) ++ encoded record.
 const RECORDS: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("records");
@@ -138,7 +137,7 @@ impl Op {
 }
 
 /// Records by key; `None` is a removal not yet in the file.
-type Changes = HashMap<[u8; 32], Option<Bytes>>;
+type Changes = KeyMap<[u8; 32], Option<Bytes>>;
 
 /// Records the log holds and the file may not: `active` is being written,
 /// `frozen` is being checkpointed. Newer wins: active, then frozen, then
@@ -705,7 +704,7 @@ impl Writer {
         let mut changes = Batch {
             segment: self.wal.segment,
             shared: &self.shared,
-            changes: Changes::new(),
+            changes: Changes::default(),
             log: Vec::new(),
             now: now_ms(),
         };

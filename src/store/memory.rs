@@ -11,7 +11,7 @@
 //! is recognised by its sequence number and skipped when it reaches the
 //! front. Every operation on a record is O(1).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
+use super::{Claim, Fingerprint, KeyMap, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 
 const SHARDS: usize = 16;
 /// Bytes a record costs besides its response: its map entries, the two
@@ -37,15 +37,21 @@ struct Shared {
 
 #[derive(Default)]
 struct Shard {
-    entries: HashMap<RecordKey, Entry>,
+    entries: KeyMap<RecordKey, Entry>,
     /// Deadlines (lease or TTL ends) as they were set, one queue per
-    /// duration, each therefore in deadline order: for the sweeper.
-    deadlines: HashMap<Duration, VecDeque<(Instant, u64, RecordKey)>>,
+    /// duration, each therefore in deadline order: for the sweeper. There
+    /// are a handful of durations (the routes' TTLs and leases): a list
+    /// finds one faster than a map.
+    deadlines: Vec<(Duration, DeadlineQueue)>,
     /// Completions in completion order, for eviction.
     completed: VecDeque<(u64, RecordKey)>,
     bytes: usize,
     seq: u64,
 }
+
+/// Deadlines of one duration, in the order they were set: when each falls,
+/// the sequence number it was set under, and whose it is.
+type DeadlineQueue = VecDeque<(Instant, u64, RecordKey)>;
 
 struct Entry {
     fingerprint: Fingerprint,
@@ -56,8 +62,16 @@ struct Entry {
 }
 
 enum State {
-    InFlight { owner: Owner, done: Arc<Notify> },
-    Done { outcome: Outcome, order: u64, size: usize },
+    /// `done` is made by the first waiter: most claims have none.
+    InFlight {
+        owner: Owner,
+        done: Option<Arc<Notify>>,
+    },
+    Done {
+        outcome: Outcome,
+        order: u64,
+        size: usize,
+    },
 }
 
 impl MemoryStore {
@@ -120,7 +134,7 @@ impl Shard {
     fn remove(&mut self, key: &RecordKey) -> Option<Entry> {
         let entry = self.entries.remove(key)?;
         match &entry.state {
-            State::InFlight { done, .. } => done.notify_waiters(),
+            State::InFlight { done, .. } => done.iter().for_each(|done| done.notify_waiters()),
             State::Done { size, .. } => self.bytes -= size,
         }
         Some(entry)
@@ -129,10 +143,14 @@ impl Shard {
     /// Queues a deadline `lasting` from `now`; returns it for the entry.
     fn queue_deadline(&mut self, key: &RecordKey, now: Instant, lasting: Duration) -> (Instant, u64) {
         let deadline = (now + lasting, self.next_seq());
-        self.deadlines
-            .entry(lasting)
-            .or_default()
-            .push_back((deadline.0, deadline.1, *key));
+        let queue = match self.deadlines.iter().position(|(d, _)| *d == lasting) {
+            Some(at) => &mut self.deadlines[at].1,
+            None => {
+                self.deadlines.push((lasting, VecDeque::new()));
+                &mut self.deadlines.last_mut().expect("just pushed").1
+            }
+        };
+        queue.push_back((deadline.0, deadline.1, *key));
         deadline
     }
 
@@ -153,7 +171,7 @@ impl Shard {
     fn sweep(&mut self, now: Instant, limit: usize) -> usize {
         let mut due = Vec::new();
         let mut looked = 0;
-        for queue in self.deadlines.values_mut() {
+        for (_, queue) in &mut self.deadlines {
             while looked < limit
                 && let Some(&(at, seq, key)) = queue.front()
                 && at <= now
@@ -163,7 +181,7 @@ impl Shard {
                 looked += 1;
             }
         }
-        self.deadlines.retain(|_, queue| !queue.is_empty());
+        self.deadlines.retain(|(_, queue)| !queue.is_empty());
         for (seq, key) in due {
             if self.is_current(&key, seq) {
                 self.remove(&key);
@@ -188,7 +206,7 @@ impl Shard {
     fn compact(&mut self) {
         let bound = 2 * self.entries.len() + 1024;
         let entries = &self.entries;
-        for queue in self.deadlines.values_mut() {
+        for (_, queue) in &mut self.deadlines {
             if queue.len() > bound {
                 queue.retain(|(_, seq, key)| entries.get(key).is_some_and(|e| e.deadline.1 == *seq));
             }
@@ -267,10 +285,7 @@ impl Store for MemoryStore {
             Entry {
                 fingerprint: *fingerprint,
                 deadline,
-                state: State::InFlight {
-                    owner,
-                    done: Arc::new(Notify::new()),
-                },
+                state: State::InFlight { owner, done: None },
             },
         );
         Ok(Claim::Claimed)
@@ -291,7 +306,7 @@ impl Store for MemoryStore {
             return Ok(false);
         };
         let previous = std::mem::replace(&mut entry.state, State::Done { outcome, order, size });
-        if let State::InFlight { done, .. } = previous {
+        if let State::InFlight { done: Some(done), .. } = previous {
             done.notify_waiters();
         }
         shard.completed.push_back((order, *key));
@@ -330,7 +345,7 @@ impl Store for MemoryStore {
                     state: State::InFlight { done, .. },
                     deadline,
                     ..
-                }) => (done.clone(), deadline.0),
+                }) => (done.get_or_insert_with(Default::default).clone(), deadline.0),
                 _ => return Ok(()),
             }
         };
@@ -341,7 +356,7 @@ impl Store for MemoryStore {
         notified.as_mut().enable();
         let still_in_flight = matches!(
             self.shard(key).live(key, Instant::now()),
-            Some(Entry { state: State::InFlight { done: d, .. }, .. }) if Arc::ptr_eq(d, &done)
+            Some(Entry { state: State::InFlight { done: Some(d), .. }, .. }) if Arc::ptr_eq(d, &done)
         );
         if still_in_flight {
             // The lease's end is a change too: nobody may notify for it.
@@ -547,7 +562,7 @@ mod tests {
             let shard = lock(shard);
             let bound = 2 * shard.entries.len() + 1024;
             assert!(shard.entries.len() <= 16, "{}", shard.entries.len());
-            for queue in shard.deadlines.values() {
+            for (_, queue) in &shard.deadlines {
                 assert!(
                     queue.len() <= bound,
                     "{} queued for {} entries",

@@ -11,8 +11,9 @@ mod memory;
 mod redis;
 mod waiters;
 
+use std::collections::HashMap;
 use std::fmt;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::{BuildHasher, Hasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -32,6 +33,55 @@ use crate::config::{StoreBackend, StoreConfig};
 /// more than losing the process, so carry on.
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A map keyed by record keys (or their bytes), hashed with [`KeyHashing`].
+pub(crate) type KeyMap<K, V> = HashMap<K, V, KeyHashing>;
+
+/// Hashing for record keys, which are SHA-256 digests already: two of
+/// their words, each mixed with a random seed and multiplied together,
+/// spread as well as SipHash does at a fraction of its cost. The seeds are
+/// drawn per map, so a client cannot aim keys at one bucket.
+#[derive(Clone)]
+pub(crate) struct KeyHashing([u64; 2]);
+
+impl Default for KeyHashing {
+    fn default() -> KeyHashing {
+        let random = RandomState::new();
+        KeyHashing([random.hash_one(1u8), random.hash_one(2u8)])
+    }
+}
+
+impl BuildHasher for KeyHashing {
+    type Hasher = KeyHasher;
+
+    fn build_hasher(&self) -> KeyHasher {
+        KeyHasher { seeds: self.0, hash: 0 }
+    }
+}
+
+pub(crate) struct KeyHasher {
+    seeds: [u64; 2],
+    hash: u64,
+}
+
+impl Hasher for KeyHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let word = |at: usize| {
+            bytes
+                .get(at..at + 8)
+                .map_or(0, |w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+        };
+        let product = u128::from(word(0) ^ self.seeds[0]) * u128::from(word(8) ^ self.seeds[1]);
+        self.hash ^= (product as u64) ^ ((product >> 64) as u64);
+    }
+
+    /// The length a byte array is prefixed with: always 32 here.
+    fn write_usize(&mut self, _: usize) {}
+
+    fn finish(&self) -> u64 {
+        self.hash
+    }
 }
 
 /// Where a record lives: SHA-256 over the scope values and the key.

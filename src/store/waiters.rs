@@ -1,16 +1,15 @@
 //! Requests waiting for a key to leave flight, in this process: one
 //! `Notify` per waited-on key, dropped with its last waiter.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
-use super::{RecordKey, lock};
+use super::{KeyMap, RecordKey, lock};
 
 #[derive(Default)]
 pub struct Waiters {
-    keys: Mutex<HashMap<RecordKey, (Arc<Notify>, usize)>>,
+    keys: Mutex<KeyMap<RecordKey, (Arc<Notify>, usize)>>,
 }
 
 /// One registered waiter; deregisters on drop.
