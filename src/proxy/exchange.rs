@@ -346,8 +346,9 @@ impl Exchange {
             client_timeout,
         } = self;
         let mut guard = ClaimGuard::new(store, key, owner, policy.lock_timeout, metrics.clone());
-        let deadline = Instant::now() + timeout;
-        let started = Instant::now();
+        // One clock reading for the lease, the deadline and the latency.
+        let started = guard.claimed_at;
+        let deadline = started + timeout;
         let sent = guard
             .renewing(std::pin::pin!(tokio::time::timeout_at(
                 deadline,

@@ -263,7 +263,8 @@ impl Gateway {
         // 5. Claim.
         let owner = Owner::new();
         let refresh = policy.refresh_ttl_on_replay.then_some(policy.ttl);
-        let wait_until = Instant::now() + policy.wait_timeout;
+        // Set when the key is first found in flight.
+        let mut wait_until = None;
         let mut unsettled = Unsettled {
             store: &self.store,
             key: record_key,
@@ -309,6 +310,7 @@ impl Gateway {
                 },
                 Ok(Claim::InFlight { .. }) => {
                     let now = Instant::now();
+                    let wait_until = *wait_until.get_or_insert(now + policy.wait_timeout);
                     if policy.on_in_flight == OnInFlight::Wait && policy.mode == Mode::Enforce && now < wait_until {
                         match self.store.wait(&record_key, wait_until - now).await {
                             Ok(()) => continue,
@@ -416,8 +418,8 @@ impl Gateway {
     /// Forwards without recording: pass-through, shadow mode, store bypass.
     async fn forward(&self, mut request: Request<UpstreamBody>, upstream: &Uri, peer: Peer) -> Response<ResponseBody> {
         forward::prepare(&mut request, upstream, peer);
-        let deadline = Instant::now() + self.config.upstream.timeout;
         let started = Instant::now();
+        let deadline = started + self.config.upstream.timeout;
         // Boxed: inline, the upstream request (~2 KB) would size the future
         // of every request, including the idempotent ones that reach this
         // path only to refuse or bypass.
