@@ -40,7 +40,7 @@
 //!              │   ── other fingerprint ───────────> 422 key-reused
 //!              │   ── in flight ───────────────────> 409 + Retry-After, or wait
 //!              │   ── store down ──────────────────> 503, or forward (on_error = "pass")
-//!              v claimed (spawned task: survives a client hang-up, renews its lease)
+//!              v claimed (survives a client hang-up in a task of its own, renews its lease)
 //!            forward ──> upstream
 //!              v
 //!            stream the answer, holding back its last byte
