@@ -551,11 +551,14 @@ async fn settle(
 /// The response headers a record keeps: all but `replay_drop_headers`
 /// (copied out of the read buffer with the body, by [`Recorder::stored`]).
 fn stored_headers(headers: &HeaderMap, policy: &Policy) -> Vec<(HeaderName, HeaderValue)> {
-    headers
-        .iter()
-        .filter(|(name, _)| !policy.replay_drop_headers.contains(name))
-        .map(|(name, value)| (name.clone(), value.clone()))
-        .collect()
+    // Sized once: a filtered iterator would grow the list as it goes.
+    let mut kept = Vec::with_capacity(headers.len());
+    for (name, value) in headers {
+        if !policy.replay_drop_headers.contains(name) {
+            kept.push((name.clone(), value.clone()));
+        }
+    }
+    kept
 }
 
 /// Applies `on_upstream_failure` and names the problem the first client gets.

@@ -5,7 +5,7 @@
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, Entry, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 use http::{Request, Version};
 
@@ -28,30 +28,31 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 ];
 
 /// Removes hop-by-hop headers, including every header `Connection` names.
+///
+/// Only the names present are removed: a head usually has none, or just
+/// `Connection: keep-alive`, and each removal is a hash and a probe.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // One pass over the names finds most heads have none: nine removals,
-    // each a hash and a probe, are then not needed.
-    if !headers
-        .keys()
-        .any(|name| HOP_BY_HOP.contains(name) || name == header::TRAILER)
-    {
+    let is_hop = |name: &HeaderName| HOP_BY_HOP.contains(name) || name == header::TRAILER;
+    let mut present: Vec<HeaderName> = headers.keys().filter(|name| is_hop(name)).cloned().collect();
+    if present.is_empty() {
         return;
     }
     // `Connection: keep-alive` or `close`, the usual values, name nothing
     // that is not removed anyway.
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(str::trim)
-        .filter(|name| !name.eq_ignore_ascii_case("keep-alive") && !name.eq_ignore_ascii_case("close"))
-        .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
-        .collect();
-    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+    if present.contains(&header::CONNECTION) {
+        let named = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .filter(|name| !name.eq_ignore_ascii_case("keep-alive") && !name.eq_ignore_ascii_case("close"))
+            .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok());
+        present.extend(named);
+    }
+    for name in &present {
         headers.remove(name);
     }
-    headers.remove(header::TRAILER);
 }
 
 /// How the client reached idemgate, for `X-Forwarded-*`.
@@ -63,7 +64,9 @@ pub struct Peer {
 
 /// Points `request` at `upstream` and rewrites its headers for the hop.
 pub fn prepare(request: &mut Request<UpstreamBody>, upstream: &Uri, peer: Peer) {
-    let original_host = request.headers().get(header::HOST).cloned().or_else(|| {
+    // The Host of the upstream, as nginx's default `proxy_set_header Host
+    // $proxy_host`; the client's Host travels in X-Forwarded-Host.
+    let original_host = request.headers_mut().remove(header::HOST).or_else(|| {
         request
             .uri()
             .authority()
@@ -81,20 +84,28 @@ pub fn prepare(request: &mut Request<UpstreamBody>, upstream: &Uri, peer: Peer) 
 
     let headers = request.headers_mut();
     strip_hop_by_hop(headers);
-    // The Host of the upstream, as nginx's default `proxy_set_header Host
-    // $proxy_host`; the client's Host travels in X-Forwarded-Host.
-    headers.remove(header::HOST);
-    // Every earlier hop, from every X-Forwarded-For line, then this client.
+    // Every earlier hop, from every X-Forwarded-For line, then this client;
+    // one lookup of the name whether it is there or not.
     let mut forwarded_for = String::with_capacity(64);
-    let earlier = headers.get_all(&X_FORWARDED_FOR).iter().filter_map(|v| v.to_str().ok());
-    for hop in earlier.map(str::trim).filter(|v| !v.is_empty()) {
-        forwarded_for.push_str(hop);
-        forwarded_for.push_str(", ");
-    }
-    push_ip(&mut forwarded_for, peer.addr.ip());
-    headers.remove(&X_FORWARDED_FOR);
-    if let Ok(value) = HeaderValue::from_str(&forwarded_for) {
-        headers.insert(X_FORWARDED_FOR.clone(), value);
+    match headers.entry(X_FORWARDED_FOR.clone()) {
+        Entry::Occupied(mut entry) => {
+            let earlier = entry.iter().filter_map(|v| v.to_str().ok()).map(str::trim);
+            for hop in earlier.filter(|v| !v.is_empty()) {
+                forwarded_for.push_str(hop);
+                forwarded_for.push_str(", ");
+            }
+            push_ip(&mut forwarded_for, peer.addr.ip());
+            match HeaderValue::from_str(&forwarded_for) {
+                Ok(value) => drop(entry.insert_mult(value)),
+                Err(_) => drop(entry.remove_entry_mult()),
+            }
+        }
+        Entry::Vacant(entry) => {
+            push_ip(&mut forwarded_for, peer.addr.ip());
+            if let Ok(value) = HeaderValue::from_str(&forwarded_for) {
+                entry.insert(value);
+            }
+        }
     }
     headers.insert(
         X_FORWARDED_PROTO.clone(),
