@@ -8,6 +8,7 @@
 //! [`ClaimGuard`] that renews the lease while it lives and releases the
 //! claim if the exchange ends without settling it.
 
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -295,9 +296,18 @@ pub async fn run(tracker: &TaskTracker, exchange: Exchange) -> Response<Response
     let (reply, mut response) = oneshot::channel();
     // In the request's span, so its logs and outcome carry the route and key
     // wherever it ends up running.
+    // A panic ends the exchange, not the client's connection: its reply is
+    // dropped (the client gets a 502) and its guard releases the claim.
+    let exchange = AssertUnwindSafe(exchange.drive(reply).instrument(Span::current()))
+        .catch_unwind()
+        .map(|outcome| {
+            if outcome.is_err() {
+                tracing::error!("the exchange panicked; its claim is released");
+            }
+        });
     let mut handoff = Handoff {
         tracker,
-        exchange: Some(Box::pin(exchange.drive(reply).instrument(Span::current()))),
+        exchange: Some(Box::pin(exchange)),
     };
     let response = std::future::poll_fn(|cx| {
         if let Some(exchange) = &mut handoff.exchange

@@ -37,8 +37,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if present.is_empty() {
         return;
     }
-    // `Connection: keep-alive` or `close`, the usual values, name nothing
-    // that is not removed anyway.
+    // `Connection: keep-alive`, the usual value, names a header that is
+    // removed anyway: no need to parse it.
     if present.contains(&header::CONNECTION) {
         let named = headers
             .get_all(header::CONNECTION)
@@ -46,7 +46,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
             .map(str::trim)
-            .filter(|name| !name.eq_ignore_ascii_case("keep-alive") && !name.eq_ignore_ascii_case("close"))
+            .filter(|name| !name.eq_ignore_ascii_case("keep-alive"))
             .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok());
         present.extend(named);
     }

@@ -310,7 +310,8 @@ impl Gateway {
                 },
                 Ok(Claim::InFlight { .. }) => {
                     let now = Instant::now();
-                    let wait_until = *wait_until.get_or_insert(now + policy.wait_timeout);
+                    // From before the first claim, as the budget covers the claims too.
+                    let wait_until = *wait_until.get_or_insert(started + policy.wait_timeout);
                     if policy.on_in_flight == OnInFlight::Wait && policy.mode == Mode::Enforce && now < wait_until {
                         match self.store.wait(&record_key, wait_until - now).await {
                             Ok(()) => continue,

@@ -35,13 +35,15 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// A map keyed by record keys (or their bytes), hashed with [`KeyHashing`].
+/// A map keyed by record keys (`RecordKey` or its 32 bytes), hashed with
+/// [`KeyHashing`]. For no other key type: the hasher reads one 32-byte write.
 pub(crate) type KeyMap<K, V> = HashMap<K, V, KeyHashing>;
 
-/// Hashing for record keys, which are SHA-256 digests already: two of
-/// their words, each mixed with a random seed and multiplied together,
-/// spread as well as SipHash does at a fraction of its cost. The seeds are
-/// drawn per map, so a client cannot aim keys at one bucket.
+/// Hashing for record keys, which are SHA-256 digests already, so their
+/// bits are spread evenly: two of their words, each mixed with a random
+/// seed, multiplied together and folded. It costs a fraction of SipHash.
+/// The seeds are drawn per map and unknown to clients, so grinding keys
+/// cannot aim them at one bucket.
 #[derive(Clone)]
 pub(crate) struct KeyHashing([u64; 2]);
 
@@ -67,6 +69,7 @@ pub(crate) struct KeyHasher {
 
 impl Hasher for KeyHasher {
     fn write(&mut self, bytes: &[u8]) {
+        debug_assert_eq!(bytes.len(), 32, "KeyMap is for record keys only");
         let word = |at: usize| {
             bytes
                 .get(at..at + 8)
