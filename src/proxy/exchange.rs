@@ -12,6 +12,7 @@ use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -296,24 +297,23 @@ pub async fn run(tracker: &TaskTracker, exchange: Exchange) -> Response<Response
     let (reply, mut response) = oneshot::channel();
     // In the request's span, so its logs and outcome carry the route and key
     // wherever it ends up running.
-    // A panic ends the exchange, not the client's connection: its reply is
-    // dropped (the client gets a 502) and its guard releases the claim.
-    let exchange = AssertUnwindSafe(exchange.drive(reply).instrument(Span::current()))
-        .catch_unwind()
-        .map(|outcome| {
-            if outcome.is_err() {
-                tracing::error!("the exchange panicked; its claim is released");
-            }
-        });
     let mut handoff = Handoff {
         tracker,
-        exchange: Some(Box::pin(exchange)),
+        exchange: Some(Box::pin(exchange.drive(reply).instrument(Span::current()))),
     };
     let response = std::future::poll_fn(|cx| {
-        if let Some(exchange) = &mut handoff.exchange
-            && exchange.as_mut().poll(cx).is_ready()
-        {
-            handoff.exchange = None;
+        if let Some(exchange) = &mut handoff.exchange {
+            // A panic ends the exchange, not the client's connection (as
+            // the runtime would for a task): its reply is dropped, so the
+            // client gets a 502, and its guard releases the claim.
+            match std::panic::catch_unwind(AssertUnwindSafe(|| exchange.as_mut().poll(cx))) {
+                Ok(Poll::Pending) => {}
+                Ok(Poll::Ready(())) => handoff.exchange = None,
+                Err(_) => {
+                    tracing::error!("the exchange panicked; its claim is released");
+                    handoff.exchange = None;
+                }
+            }
         }
         Pin::new(&mut response).poll(cx)
     })
