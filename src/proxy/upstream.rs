@@ -136,8 +136,13 @@ fn checkin(key: PoolKey, mut conn: Conn) {
         pool.retain(|(k, _)| k.client == key.client);
         match pool.iter_mut().find(|(k, _)| *k == key) {
             Some((_, idle)) => {
-                // The oldest sit at the bottom: drop those past their time.
-                idle.retain(|c| now.duration_since(c.idle_since) <= IDLE_TIMEOUT);
+                // The oldest sit at the bottom: drop those past their time,
+                // looking no further than the first one still in it.
+                let stale = idle
+                    .iter()
+                    .take_while(|c| now.duration_since(c.idle_since) > IDLE_TIMEOUT)
+                    .count();
+                idle.drain(..stale);
                 if idle.len() < MAX_IDLE_PER_UPSTREAM {
                     idle.push(conn);
                 }
