@@ -10,10 +10,10 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
-
-use super::upstream::UpstreamResponseBody;
 use tokio::sync::mpsc;
 use tokio::time::Sleep;
+
+use super::upstream::UpstreamResponseBody;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

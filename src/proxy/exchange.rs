@@ -413,8 +413,9 @@ impl Exchange {
         let mut yielded = false;
         while !whole && early_len <= limit {
             match body.frame().now_or_never() {
-                // The upstream connection's task may not have passed the
-                // body on yet: let it run once, then stream what is missing.
+                // The body may be a moment behind the head on the socket:
+                // give the runtime one turn to see it, then stream what is
+                // missing.
                 None if !yielded => {
                     yielded = true;
                     tokio::task::yield_now().await;
