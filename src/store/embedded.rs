@@ -137,7 +137,7 @@ impl Op {
 }
 
 /// Records by key; `None` is a removal not yet in the file.
-type Changes = KeyMap<[u8; 32], Option<Bytes>>;
+type Changes = KeyMap<[u8; 32], Option<Stored>>;
 
 /// Records the log holds and the file may not: `active` is being written,
 /// `frozen` is being checkpointed. Newer wins: active, then frozen, then
@@ -181,9 +181,8 @@ impl Shared {
         let generation = {
             let overlay = lock(&self.overlay);
             if let Some(change) = overlay.active.get(&key.0).or_else(|| overlay.frozen.get(&key.0)) {
-                let stored = change.as_ref().map(split_shared).transpose()?;
                 return Ok(Found {
-                    stored,
+                    stored: change.clone(),
                     generation: overlay.generation,
                 });
             }
@@ -211,7 +210,11 @@ pub struct EmbeddedStore {
     waiters: Arc<Waiters>,
 }
 
-/// A stored record with its deadline.
+/// A stored record with its deadline. In the file (and the log) a value is
+/// the deadline (8 bytes, big-endian) followed by the record; the overlay
+/// keeps the two apart, so a record is shared, never copied, to renew or
+/// refresh it.
+#[derive(Clone)]
 struct Stored {
     deadline: u64,
     record: Bytes,
@@ -231,19 +234,12 @@ fn split(value: &[u8]) -> Result<Stored, StoreError> {
     })
 }
 
-/// A value in the overlay: its record shared, not copied.
-fn split_shared(value: &Bytes) -> Result<Stored, StoreError> {
-    Ok(Stored {
-        deadline: deadline_of(value)?,
-        record: value.slice(8..),
-    })
-}
-
-fn value(deadline: u64, record: &[u8]) -> Bytes {
-    let mut value = Vec::with_capacity(8 + record.len());
-    value.extend_from_slice(&deadline.to_be_bytes());
-    value.extend_from_slice(record);
-    value.into()
+/// The file's value for `stored`, written into `buf`.
+fn value_into<'b>(buf: &'b mut Vec<u8>, stored: &Stored) -> &'b [u8] {
+    buf.clear();
+    buf.extend_from_slice(&stored.deadline.to_be_bytes());
+    buf.extend_from_slice(&stored.record);
+    buf
 }
 
 impl EmbeddedStore {
@@ -261,7 +257,7 @@ impl EmbeddedStore {
             {
                 let mut meta = txn.open_table(META).map_err(unavailable)?;
                 let applied_below = meta.get(APPLIED_BELOW).map_err(unavailable)?.map_or(0, |v| v.value());
-                next = segments.last().map_or(1, |(n, _)| n + 1).max(applied_below).max(1);
+                next = segments.last().map_or(1, |(n, _)| n + 1).max(applied_below);
                 meta.insert(APPLIED_BELOW, next).map_err(unavailable)?;
                 let mut table = txn.open_table(RECORDS).map_err(unavailable)?;
                 // Segments below `applied_below` are in the file already
@@ -588,16 +584,38 @@ impl Wal {
         crc.finalize()
     }
 
-    /// Appends an entry for segment `segment` to `buf`.
+    /// Appends an entry for segment `segment` to `buf`: a put of the value
+    /// `change`, or a removal.
     fn encode(buf: &mut Vec<u8>, segment: u64, key: &[u8; 32], change: Option<&[u8]>) {
-        let value = change.unwrap_or_default();
-        let len = u32::try_from(33 + value.len()).expect("a record is far below 4 GiB");
+        match change {
+            Some(value) => Wal::entry(buf, segment, key, PUT, &[value]),
+            None => Wal::entry(buf, segment, key, REMOVE, &[]),
+        }
+    }
+
+    /// Appends a put of `stored` (the file's value: deadline, then record).
+    fn encode_put(buf: &mut Vec<u8>, segment: u64, key: &[u8; 32], stored: &Stored) {
+        Wal::entry(
+            buf,
+            segment,
+            key,
+            PUT,
+            &[&stored.deadline.to_be_bytes(), &stored.record],
+        );
+    }
+
+    /// Appends an entry whose value is `parts`, one after the other.
+    fn entry(buf: &mut Vec<u8>, segment: u64, key: &[u8; 32], kind: u8, parts: &[&[u8]]) {
+        let value_len: usize = parts.iter().map(|part| part.len()).sum();
+        let len = u32::try_from(33 + value_len).expect("a record is far below 4 GiB");
         let start = buf.len();
         buf.extend_from_slice(&len.to_le_bytes());
         buf.extend_from_slice(&[0; 4]);
         buf.extend_from_slice(key);
-        buf.push(if change.is_some() { PUT } else { REMOVE });
-        buf.extend_from_slice(value);
+        buf.push(kind);
+        for part in parts {
+            buf.extend_from_slice(part);
+        }
         let crc = Wal::crc(segment, &buf[start + 8..]);
         buf[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
     }
@@ -729,7 +747,7 @@ impl Writer {
         if synced.is_ok() && !changes.is_empty() {
             let mut overlay = lock(&self.shared.overlay);
             for (key, change) in changes {
-                let size = change.as_ref().map_or(0, Bytes::len) + 64;
+                let size = change.as_ref().map_or(0, |stored| 8 + stored.record.len()) + 64;
                 overlay.active.insert(key, change);
                 overlay.active_bytes += size;
             }
@@ -815,16 +833,16 @@ impl Batch<'_> {
     /// `key` (see [`Shared::find`]).
     fn live_unless(&self, key: &RecordKey, absent_at: Option<u64>) -> Result<Option<Stored>, StoreError> {
         let stored = match self.changes.get(&key.0) {
-            Some(change) => change.as_ref().map(split_shared).transpose()?,
+            Some(change) => change.clone(),
             None => self.shared.find(key, absent_at)?.stored,
         };
         Ok(stored.filter(|s| s.deadline > self.now))
     }
 
-    fn put(&mut self, key: &RecordKey, deadline: u64, record: &[u8]) {
-        let value = value(deadline, record);
-        Wal::encode(&mut self.log, self.segment, &key.0, Some(&value));
-        self.changes.insert(key.0, Some(value));
+    fn put(&mut self, key: &RecordKey, deadline: u64, record: Bytes) {
+        let stored = Stored { deadline, record };
+        Wal::encode_put(&mut self.log, self.segment, &key.0, &stored);
+        self.changes.insert(key.0, Some(stored));
     }
 
     fn remove(&mut self, key: &RecordKey) {
@@ -870,7 +888,7 @@ impl Batch<'_> {
                     Some(held) => {
                         let fingerprint = codec::fingerprint_of(&held.record)?;
                         let record = codec::completed(&fingerprint, &outcome);
-                        self.put(&key, self.now.saturating_add(ttl), &record);
+                        self.put(&key, self.now.saturating_add(ttl), record.into());
                         Ok(true)
                     }
                 });
@@ -902,7 +920,7 @@ impl Batch<'_> {
                 let result = self.owned(&key, owner).map(|held| match held {
                     None => false,
                     Some(held) => {
-                        self.put(&key, self.now.saturating_add(lease), &held.record);
+                        self.put(&key, self.now.saturating_add(lease), held.record);
                         true
                     }
                 });
@@ -928,7 +946,7 @@ impl Batch<'_> {
                     outcome,
                 } => {
                     if let Some(ttl) = refresh.filter(|_| found == *fingerprint) {
-                        self.put(key, self.now.saturating_add(ttl), &stored.record);
+                        self.put(key, self.now.saturating_add(ttl), stored.record.clone());
                     }
                     Claim::Completed {
                         fingerprint: found,
@@ -938,7 +956,7 @@ impl Batch<'_> {
             });
         }
         let record = codec::in_flight(fingerprint, owner);
-        self.put(key, self.now.saturating_add(lease), &record);
+        self.put(key, self.now.saturating_add(lease), record.into());
         Ok(Claim::Claimed)
     }
 }
@@ -1008,11 +1026,11 @@ impl Checkpointer {
                 let mut meta = txn.open_table(META).map_err(unavailable)?;
                 meta.insert(APPLIED_BELOW, covered_below).map_err(unavailable)?;
             }
+            let mut value = Vec::new();
             for (key, change) in changes.into_iter().flat_map(|(changes, _)| changes) {
                 written += 1;
-                let live = change.as_ref().filter(|v| deadline_of(v).is_ok_and(|d| d > now));
-                match live {
-                    Some(value) => table.insert(key, value.as_ref()).map(drop),
+                match change.as_ref().filter(|stored| stored.deadline > now) {
+                    Some(stored) => table.insert(key, value_into(&mut value, stored)).map(drop),
                     None => table.remove(key).map(drop),
                 }
                 .map_err(unavailable)?;
