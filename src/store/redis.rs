@@ -10,13 +10,14 @@
 //! the server is older, a Lua script (`EVALSHA`, cached by SHA). Completion,
 //! release and renewal are scripts that check the owner token first.
 //!
-//! Waiting across replicas: a waiter marks the record with a flag key,
-//! `idemgate:{<sha-256 hex>}:w` (same slot), in the script that reads the
-//! record. Completion, release and purge delete the flag and, only if it
-//! was there, `PUBLISH` the record key on one channel; each process keeps
-//! one subscription to it and wakes its local waiters, re-checking the
-//! record at least every second in case a message was lost. Requests that
-//! nobody waits on publish nothing.
+//! Waiting across replicas: a waiter marks the in-flight record as waited
+//! on, appending one byte to it (`APPEND` keeps its lease), in the script
+//! that reads it. Completion, release and purge read the record anyway to
+//! check its owner; only when it carries the mark do they `PUBLISH` the
+//! record key on one channel. Each process keeps one subscription to it and
+//! wakes its local waiters, re-checking the record at least every second in
+//! case a message was lost. Requests that nobody waits on publish nothing
+//! and touch no other key.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,7 +30,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{RedisError, Script, ScriptInvocation};
+use redis::{RedisError, Script};
 use tokio::sync::OnceCell;
 
 use super::codec::{self, Decoded};
@@ -58,11 +59,13 @@ local v = redis.call('GET', KEYS[1])
 if not v or string.byte(v, 2) ~= 0 or string.sub(v, 35, 50) ~= ARGV[1] then return nil end
 ";
 
-/// Wakes the waiters of KEYS[1], if any flagged it (KEYS[2]), on ARGV[n].
+/// Wakes the waiters of KEYS[1], on channel ARGV[n], if one marked the
+/// in-flight record `v`: an unmarked one is 50 bytes (`codec::in_flight`;
+/// a test holds the scripts to that).
 macro_rules! announce {
     ($channel:literal) => {
         concat!(
-            "if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('DEL', KEYS[2]) redis.call('PUBLISH', ARGV[",
+            "if string.len(v) > 50 then redis.call('PUBLISH', ARGV[",
             $channel,
             "], KEYS[1]) end\n"
         )
@@ -88,17 +91,23 @@ if not v then return false end
 return {v, redis.call('PTTL', KEYS[1])}
 ";
 
-/// PEEK, and when the record is in flight, flag it as waited on for a
-/// little longer than its lease.
+/// PEEK, and when the record is in flight, mark it as waited on.
 const WATCH: &str = r"
 local v = redis.call('GET', KEYS[1])
 if not v then return false end
-local pttl = redis.call('PTTL', KEYS[1])
-if string.byte(v, 2) == 0 then redis.call('SET', KEYS[2], '1', 'PX', math.max(pttl, 0) + 1000) end
-return {v, pttl}
+if string.byte(v, 2) == 0 and string.len(v) == 50 then redis.call('APPEND', KEYS[1], 'w') end
+return {v, redis.call('PTTL', KEYS[1])}
 ";
 
-const PURGE: &str = concat!("local n = redis.call('DEL', KEYS[1])\n", announce!("1"), "return n\n");
+const PURGE: &str = concat!(
+    "local v = redis.call('GET', KEYS[1])\n",
+    "if not v then return 0 end\n",
+    "redis.call('DEL', KEYS[1])\n",
+    "if string.byte(v, 2) == 0 then\n",
+    announce!("1"),
+    "end\n",
+    "return 1\n"
+);
 
 struct Scripts {
     claim: Script,
@@ -220,19 +229,29 @@ fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
-/// The Redis key of a record.
-fn redis_key(key: &RecordKey) -> String {
-    format!("idemgate:{{{}}}", hex::encode(key.0))
-}
+/// The Redis key of a record, `idemgate:{<sha-256 hex>}`, built without
+/// allocating.
+struct RedisKey([u8; RedisKey::LEN]);
 
-/// An invocation of `script` on a record's key and the key that flags the
-/// record as waited on (`<record key>:w`, in the same slot).
-fn on_record<'a>(script: &'a Script, key: &RecordKey) -> ScriptInvocation<'a> {
-    let record = redis_key(key);
-    let flag = format!("{record}:w");
-    let mut invocation = script.key(record);
-    invocation.key(flag);
-    invocation
+impl RedisKey {
+    const PREFIX: &'static [u8] = b"idemgate:{";
+    const LEN: usize = RedisKey::PREFIX.len() + 64 + 1;
+
+    fn of(key: &RecordKey) -> RedisKey {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut out = [0u8; RedisKey::LEN];
+        out[..RedisKey::PREFIX.len()].copy_from_slice(RedisKey::PREFIX);
+        for (pair, byte) in out[RedisKey::PREFIX.len()..].chunks_exact_mut(2).zip(key.0) {
+            pair[0] = HEX[usize::from(byte >> 4)];
+            pair[1] = HEX[usize::from(byte & 0xf)];
+        }
+        out[RedisKey::LEN - 1] = b'}';
+        RedisKey(out)
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
 }
 
 fn record_key_of(redis_key: &[u8]) -> Option<RecordKey> {
@@ -248,7 +267,10 @@ impl RedisStore {
         let client = redis::Client::open(url).map_err(unavailable)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout))
+            // Every call already has the store's deadline (`StoreHandle`); a
+            // second timer per command would only cost time. A response
+            // that times out does not make the manager reconnect either way.
+            .set_response_timeout(None)
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_millis(500));
         let connection = Connection::Single {
@@ -316,9 +338,27 @@ impl RedisStore {
         }
     }
 
-    async fn invoke<T: redis::FromRedisValue>(&self, invocation: &ScriptInvocation<'_>) -> Result<T, StoreError> {
+    /// Runs `script` on the record `key` by `EVALSHA`, loading the script
+    /// first when the server does not have it (a restart, a failover).
+    async fn eval<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        key: &[u8],
+        args: &[&[u8]],
+    ) -> Result<T, StoreError> {
+        let mut command = redis::Cmd::with_capacity(4 + args.len(), 128);
+        command.arg("EVALSHA").arg(script.get_hash()).arg(1).arg(key);
+        for arg in args {
+            command.arg(*arg);
+        }
         let mut connection = self.connection().await?;
-        invocation.invoke_async(&mut connection).await.map_err(unavailable)
+        match command.query_async(&mut connection).await {
+            Err(error) if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                script.load_async(&mut connection).await.map_err(unavailable)?;
+                command.query_async(&mut connection).await.map_err(unavailable)
+            }
+            result => result.map_err(unavailable),
+        }
     }
 
     /// Claims with `SET key claim NX PX lease GET`: one native command, no
@@ -327,7 +367,7 @@ impl RedisStore {
     async fn claim_natively(&self, key: &RecordKey, claim: &[u8], lease: u64) -> Result<Option<Vec<u8>>, StoreError> {
         let mut command = redis::cmd("SET");
         command
-            .arg(redis_key(key))
+            .arg(RedisKey::of(key).as_bytes())
             .arg(claim)
             .arg("NX")
             .arg("PX")
@@ -354,18 +394,24 @@ impl RedisStore {
         lease: u64,
         refresh: u64,
     ) -> Result<Option<Vec<u8>>, StoreError> {
-        let mut invocation = self.scripts.claim.key(redis_key(key));
-        invocation.arg(claim).arg(lease).arg(refresh);
-        self.invoke(&invocation).await
+        let (lease, refresh) = (lease.to_string(), refresh.to_string());
+        self.eval(
+            &self.scripts.claim,
+            RedisKey::of(key).as_bytes(),
+            &[claim, lease.as_bytes(), refresh.as_bytes()],
+        )
+        .await
     }
 
+    /// Runs `script` if `owner` holds the claim on `key`; `args` follow the
+    /// owner token.
     async fn owned(&self, script: &Script, key: &RecordKey, owner: Owner, args: &[&[u8]]) -> Result<bool, StoreError> {
-        let mut invocation = on_record(script, key);
-        invocation.arg(&codec::owner_bytes(owner)[..]);
-        for arg in args {
-            invocation.arg(*arg);
-        }
-        let done: Option<i64> = self.invoke(&invocation).await?;
+        let token = codec::owner_bytes(owner);
+        let mut all: [&[u8]; 4] = [&token, &[], &[], &[]];
+        all[1..=args.len()].copy_from_slice(args);
+        let done: Option<i64> = self
+            .eval(script, RedisKey::of(key).as_bytes(), &all[..=args.len()])
+            .await?;
         Ok(done == Some(1))
     }
 }
@@ -431,7 +477,9 @@ impl Store for RedisStore {
         let notified = registration.notify.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        let found: Option<(Vec<u8>, i64)> = self.invoke(&on_record(&self.scripts.watch, key)).await?;
+        let found: Option<(Vec<u8>, i64)> = self
+            .eval(&self.scripts.watch, RedisKey::of(key).as_bytes(), &[])
+            .await?;
         let Some((record, pttl)) = found else {
             return Ok(());
         };
@@ -450,7 +498,7 @@ impl Store for RedisStore {
     }
 
     async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
-        let found: Option<(Vec<u8>, i64)> = self.invoke(&self.scripts.peek.key(redis_key(key))).await?;
+        let found: Option<(Vec<u8>, i64)> = self.eval(&self.scripts.peek, RedisKey::of(key).as_bytes(), &[]).await?;
         found
             .map(|(record, pttl)| {
                 Ok((
@@ -462,21 +510,21 @@ impl Store for RedisStore {
     }
 
     async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        let mut invocation = on_record(&self.scripts.purge, key);
-        invocation.arg(CHANNEL);
-        let removed: i64 = self.invoke(&invocation).await?;
+        let removed: i64 = self
+            .eval(&self.scripts.purge, RedisKey::of(key).as_bytes(), &[CHANNEL.as_bytes()])
+            .await?;
         Ok(removed == 1)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        let invocation = self.scripts.peek.key("idemgate:{ping}");
+        let peek = || self.eval::<Option<(Vec<u8>, i64)>>(&self.scripts.peek, b"idemgate:{ping}", &[]);
         // A connection that broke while Redis was away fails its first
         // command and reconnects: ask twice before calling Redis down.
-        if self.invoke::<Option<(Vec<u8>, i64)>>(&invocation).await.is_ok() {
+        if peek().await.is_ok() {
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
-        self.invoke::<Option<(Vec<u8>, i64)>>(&invocation).await.map(drop)
+        peek().await.map(drop)
     }
 }
 
@@ -514,9 +562,26 @@ mod tests {
     #[test]
     fn redis_keys_are_hash_tagged_and_reversible() {
         let key = RecordKey([0xab; 32]);
-        let name = redis_key(&key);
-        assert!(name.starts_with("idemgate:{abab") && name.ends_with("ab}"));
+        let name = RedisKey::of(&key);
+        assert!(name.as_bytes().starts_with(b"idemgate:{abab") && name.as_bytes().ends_with(b"ab}"));
         assert_eq!(record_key_of(name.as_bytes()), Some(key));
+        let key = RecordKey(std::array::from_fn(|i| i as u8 * 8));
+        assert_eq!(
+            RedisKey::of(&key).as_bytes(),
+            format!("idemgate:{{{}}}", hex::encode(key.0)).as_bytes()
+        );
         assert_eq!(record_key_of(b"idemgate:{zz}"), None);
+    }
+
+    /// The length of an unmarked in-flight record, as the scripts have it.
+    const IN_FLIGHT_LEN: usize = 50;
+
+    #[test]
+    fn the_scripts_know_the_length_of_an_in_flight_record() {
+        let record = codec::in_flight(&Fingerprint([1; 32]), Owner(7));
+        assert_eq!(record.len(), IN_FLIGHT_LEN);
+        for script in [WATCH, COMPLETE, RELEASE, PURGE] {
+            assert!(script.contains(&IN_FLIGHT_LEN.to_string()), "{script}");
+        }
     }
 }
