@@ -67,7 +67,12 @@ pub async fn completion_is_replayed_with_its_fingerprint(store: Arc<dyn Store>) 
     let k = key();
     let owner = Owner::new();
     assert_eq!(store.claim(&k, &A, owner, LONG, None).await.unwrap(), Claim::Claimed);
-    assert!(store.complete(&k, owner, response("{\"id\":1}"), LONG).await.unwrap());
+    assert!(
+        store
+            .complete(&k, &A, owner, response("{\"id\":1}"), LONG)
+            .await
+            .unwrap()
+    );
     for fingerprint in [A, B] {
         let claim = store.claim(&k, &fingerprint, Owner::new(), LONG, None).await.unwrap();
         assert_eq!(
@@ -85,7 +90,7 @@ pub async fn outcomes_without_a_body_round_trip(store: Arc<dyn Store>) {
         let k = key();
         let owner = Owner::new();
         store.claim(&k, &A, owner, LONG, None).await.unwrap();
-        assert!(store.complete(&k, owner, outcome.clone(), LONG).await.unwrap());
+        assert!(store.complete(&k, &A, owner, outcome.clone(), LONG).await.unwrap());
         assert_eq!(
             store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap(),
             Claim::Completed {
@@ -110,7 +115,7 @@ pub async fn records_expire_after_their_ttl(store: Arc<dyn Store>) {
     let owner = Owner::new();
     store.claim(&k, &A, owner, LONG, None).await.unwrap();
     store
-        .complete(&k, owner, response("x"), Duration::from_millis(1000))
+        .complete(&k, &A, owner, response("x"), Duration::from_millis(1000))
         .await
         .unwrap();
     assert!(matches!(
@@ -130,7 +135,7 @@ pub async fn refresh_on_replay_restarts_the_ttl(store: Arc<dyn Store>) {
     // Margins of a second: a loaded CI machine may stall a step that long.
     let ttl = Duration::from_millis(1500);
     store.claim(&k, &A, owner, LONG, None).await.unwrap();
-    store.complete(&k, owner, response("x"), ttl).await.unwrap();
+    store.complete(&k, &A, owner, response("x"), ttl).await.unwrap();
     for _ in 0..3 {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let claim = store.claim(&k, &A, Owner::new(), LONG, Some(ttl)).await.unwrap();
@@ -175,9 +180,9 @@ pub async fn an_owner_whose_lease_ran_out_cannot_touch_its_successor(store: Arc<
     tokio::time::sleep(Duration::from_millis(350)).await;
     assert_eq!(store.claim(&k, &B, new, LONG, None).await.unwrap(), Claim::Claimed);
     assert!(!store.renew(&k, old, LONG).await.unwrap());
-    assert!(!store.complete(&k, old, response("stale"), LONG).await.unwrap());
+    assert!(!store.complete(&k, &B, old, response("stale"), LONG).await.unwrap());
     assert!(!store.release(&k, old).await.unwrap());
-    assert!(store.complete(&k, new, response("fresh"), LONG).await.unwrap());
+    assert!(store.complete(&k, &B, new, response("fresh"), LONG).await.unwrap());
     assert_eq!(
         store.claim(&k, &B, Owner::new(), LONG, None).await.unwrap(),
         Claim::Completed {
@@ -200,7 +205,7 @@ pub async fn renewal_keeps_a_claim_past_its_first_lease(store: Arc<dyn Store>) {
         store.claim(&k, &A, Owner::new(), lease, None).await.unwrap(),
         Claim::InFlight { .. }
     ));
-    assert!(store.complete(&k, owner, response("x"), LONG).await.unwrap());
+    assert!(store.complete(&k, &A, owner, response("x"), LONG).await.unwrap());
     assert!(
         !store.renew(&k, owner, lease).await.unwrap(),
         "a completed record has no lease"
@@ -224,7 +229,7 @@ pub async fn waiters_wake_on_completion_and_release(store: Arc<dyn Store>) {
         });
         tokio::time::sleep(Duration::from_millis(200)).await;
         if complete {
-            store.complete(&k, owner, response("x"), LONG).await.unwrap();
+            store.complete(&k, &A, owner, response("x"), LONG).await.unwrap();
         } else {
             store.release(&k, owner).await.unwrap();
         }
@@ -268,7 +273,7 @@ pub async fn operators_inspect_and_purge_any_record(store: Arc<dyn Store>) {
         store.claim(&k, &A, successor, LONG, None).await.unwrap(),
         Claim::Claimed
     );
-    store.complete(&k, successor, response("done"), LONG).await.unwrap();
+    store.complete(&k, &A, successor, response("done"), LONG).await.unwrap();
     let (record, _) = store.inspect(&k).await.unwrap().unwrap();
     assert_eq!(
         record,
@@ -338,7 +343,7 @@ async fn memory_sweeps_expired_records_and_holds_its_budget() {
         store.claim(&k, &A, owner, LONG, None).await.unwrap();
         let body: &'static str = Box::leak("x".repeat(1000).into_boxed_str());
         store
-            .complete(&k, owner, response(body), Duration::from_millis(300))
+            .complete(&k, &A, owner, response(body), Duration::from_millis(300))
             .await
             .unwrap();
         assert!(store.stored_bytes() <= 200_000);
@@ -359,7 +364,7 @@ async fn embedded_sweeps_expired_records_from_the_file() {
                 let (k, owner) = (key(), Owner::new());
                 store.claim(&k, &A, owner, LONG, None).await.unwrap();
                 store
-                    .complete(&k, owner, response("x"), Duration::from_millis(200))
+                    .complete(&k, &A, owner, response("x"), Duration::from_millis(200))
                     .await
                     .unwrap();
             })
@@ -397,7 +402,12 @@ async fn redis_announces_only_records_someone_waits_on() {
 
     let (unwatched, owner) = (key(), Owner::new());
     store.claim(&unwatched, &A, owner, LONG, None).await.unwrap();
-    assert!(store.complete(&unwatched, owner, response("x"), LONG).await.unwrap());
+    assert!(
+        store
+            .complete(&unwatched, &A, owner, response("x"), LONG)
+            .await
+            .unwrap()
+    );
 
     let (watched, owner) = (key(), Owner::new());
     store.claim(&watched, &A, owner, LONG, None).await.unwrap();
@@ -406,7 +416,7 @@ async fn redis_announces_only_records_someone_waits_on() {
         async move { store.wait(&watched, Duration::from_secs(10)).await.unwrap() }
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(store.complete(&watched, owner, response("x"), LONG).await.unwrap());
+    assert!(store.complete(&watched, &A, owner, response("x"), LONG).await.unwrap());
     waiter.await.unwrap();
 
     let mut messages = pubsub.on_message();

@@ -30,7 +30,7 @@ use super::forward::strip_hop_by_hop;
 use super::problem::Problem;
 use super::upstream::UpstreamClient;
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
-use crate::store::{Outcome, Owner, RecordKey, StoreHandle, StoredResponse};
+use crate::store::{Fingerprint, Outcome, Owner, RecordKey, StoreHandle, StoredResponse};
 use crate::telemetry::{Metrics, Outcome as TelemetryOutcome, RouteCounters};
 use tracing::{Instrument, Span};
 
@@ -48,6 +48,7 @@ pub struct Exchange {
     pub counters: Arc<RouteCounters>,
     pub policy: Arc<Policy>,
     pub key: RecordKey,
+    pub fingerprint: Fingerprint,
     pub owner: Owner,
     pub request: Request<UpstreamBody>,
     pub timeout: Duration,
@@ -63,6 +64,8 @@ pub struct Exchange {
 struct ClaimGuard {
     store: StoreHandle,
     key: RecordKey,
+    /// What the claim was made with; the completed record keeps it.
+    fingerprint: Fingerprint,
     owner: Owner,
     lease: Duration,
     metrics: Arc<Metrics>,
@@ -73,11 +76,19 @@ struct ClaimGuard {
 }
 
 impl ClaimGuard {
-    fn new(store: StoreHandle, key: RecordKey, owner: Owner, lease: Duration, metrics: Arc<Metrics>) -> ClaimGuard {
+    fn new(
+        store: StoreHandle,
+        key: RecordKey,
+        fingerprint: Fingerprint,
+        owner: Owner,
+        lease: Duration,
+        metrics: Arc<Metrics>,
+    ) -> ClaimGuard {
         metrics.in_flight.fetch_add(1, Ordering::Relaxed);
         ClaimGuard {
             store,
             key,
+            fingerprint,
             owner,
             lease,
             metrics,
@@ -140,7 +151,10 @@ impl ClaimGuard {
     async fn complete(mut self, outcome: Outcome, ttl: Duration) {
         self.settle();
         let started = Instant::now();
-        let result = self.store.complete(&self.key, self.owner, outcome.clone(), ttl).await;
+        let result = self
+            .store
+            .complete(&self.key, &self.fingerprint, self.owner, outcome.clone(), ttl)
+            .await;
         self.metrics.store_latency.observe(started.elapsed());
         match result {
             Ok(true) => {}
@@ -152,6 +166,7 @@ impl ClaimGuard {
                 tokio::spawn(retry_completion(
                     self.store.clone(),
                     self.key,
+                    self.fingerprint,
                     self.owner,
                     self.lease,
                     outcome,
@@ -188,6 +203,7 @@ impl Drop for ClaimGuard {
 async fn retry_completion(
     store: StoreHandle,
     key: RecordKey,
+    fingerprint: Fingerprint,
     owner: Owner,
     lease: Duration,
     outcome: Outcome,
@@ -203,7 +219,7 @@ async fn retry_completion(
             tracing::warn!(key = %key.tag(), "lease lost while retrying the completion");
             return;
         }
-        match store.complete(&key, owner, outcome.clone(), ttl).await {
+        match store.complete(&key, &fingerprint, owner, outcome.clone(), ttl).await {
             Ok(true) => return tracing::info!(key = %key.tag(), "record completed on a retry"),
             Ok(false) => return tracing::warn!(key = %key.tag(), "lease lost while retrying the completion"),
             Err(error) if Instant::now() >= give_up => {
@@ -350,12 +366,13 @@ impl Exchange {
             counters,
             policy,
             key,
+            fingerprint,
             owner,
             request,
             timeout,
             client_timeout,
         } = self;
-        let mut guard = ClaimGuard::new(store, key, owner, policy.lock_timeout, metrics.clone());
+        let mut guard = ClaimGuard::new(store, key, fingerprint, owner, policy.lock_timeout, metrics.clone());
         // One clock reading for the lease, the deadline and the latency.
         let started = guard.claimed_at;
         let deadline = started + timeout;

@@ -357,6 +357,7 @@ impl Gateway {
                 counters: live.counters.clone(),
                 policy: policy.clone(),
                 key: record_key,
+                fingerprint,
                 owner,
                 request,
                 timeout: self.config.upstream.timeout,

@@ -384,6 +384,7 @@ impl Store for EmbeddedStore {
     async fn complete(
         &self,
         key: &RecordKey,
+        _fingerprint: &Fingerprint,
         owner: Owner,
         outcome: Outcome,
         ttl: Duration,
@@ -1159,7 +1160,13 @@ mod tests {
         ));
         assert!(
             store
-                .complete(&key, owner, Outcome::Unknown, Duration::from_secs(30))
+                .complete(
+                    &key,
+                    &Fingerprint([1; 32]),
+                    owner,
+                    Outcome::Unknown,
+                    Duration::from_secs(30)
+                )
                 .await
                 .unwrap()
         );
@@ -1210,7 +1217,7 @@ mod tests {
                         }));
                         assert!(
                             store
-                                .complete(&key, owner, outcome, Duration::from_secs(30))
+                                .complete(&key, &Fingerprint([1; 32]), owner, outcome, Duration::from_secs(30))
                                 .await
                                 .unwrap()
                         );

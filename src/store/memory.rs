@@ -294,6 +294,7 @@ impl Store for MemoryStore {
     async fn complete(
         &self,
         key: &RecordKey,
+        _fingerprint: &Fingerprint,
         owner: Owner,
         outcome: Outcome,
         ttl: Duration,
@@ -453,7 +454,7 @@ mod tests {
                 store.claim(&key(i), &fp, owner, lease, None).await.unwrap(),
                 Claim::Claimed
             );
-            assert!(store.complete(&key(i), owner, response(3000), ttl).await.unwrap());
+            assert!(store.complete(&key(i), &fp, owner, response(3000), ttl).await.unwrap());
         }
         assert!(store.stored_bytes() <= 10_000);
         // The oldest went first, the newest stayed, and the claim is untouched.
@@ -487,7 +488,7 @@ mod tests {
             // A renewal and a refresh leave stale deadline items behind.
             store.renew(&key, owner, Duration::from_secs(5)).await.unwrap();
             store
-                .complete(&key, owner, response(10), Duration::from_millis(20))
+                .complete(&key, &fp, owner, response(10), Duration::from_millis(20))
                 .await
                 .unwrap();
             store
@@ -525,7 +526,7 @@ mod tests {
             .await
             .unwrap();
         store
-            .complete(&key, owner, response(50_000), Duration::from_secs(60))
+            .complete(&key, &fp, owner, response(50_000), Duration::from_secs(60))
             .await
             .unwrap();
         assert!(matches!(
@@ -551,7 +552,7 @@ mod tests {
                 .await
                 .unwrap();
             store
-                .complete(&key, owner, response(10), Duration::from_secs(86_400))
+                .complete(&key, &fp, owner, response(10), Duration::from_secs(86_400))
                 .await
                 .unwrap();
         }

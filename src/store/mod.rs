@@ -199,9 +199,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// Turns `owner`'s claim into a completed record kept for `ttl`.
     /// Returns false (and changes nothing) when `owner` no longer holds it.
+    /// `fingerprint` is the one `owner` claimed with: a store that keeps the
+    /// claim's own may ignore it, and Redis is spared reading it back.
     async fn complete(
         &self,
         key: &RecordKey,
+        fingerprint: &Fingerprint,
         owner: Owner,
         outcome: Outcome,
         ttl: Duration,
@@ -286,11 +289,13 @@ impl StoreHandle {
     pub async fn complete(
         &self,
         key: &RecordKey,
+        fingerprint: &Fingerprint,
         owner: Owner,
         outcome: Outcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        self.deadline(self.store.complete(key, owner, outcome, ttl)).await
+        self.deadline(self.store.complete(key, fingerprint, owner, outcome, ttl))
+            .await
     }
 
     pub async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {

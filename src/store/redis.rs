@@ -38,7 +38,13 @@ use super::waiters::Waiters;
 use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 
 /// Completions and releases are announced here, payload the record's key.
-const CHANNEL: &str = "idemgate:done";
+/// A macro, so the scripts can name it as a literal.
+macro_rules! channel {
+    () => {
+        "idemgate:done"
+    };
+}
+const CHANNEL: &str = channel!();
 /// A waiter re-checks its record at least this often.
 const RECHECK: Duration = Duration::from_secs(1);
 
@@ -59,26 +65,21 @@ local v = redis.call('GET', KEYS[1])
 if not v or string.byte(v, 2) ~= 0 or string.sub(v, 35, 50) ~= ARGV[1] then return nil end
 ";
 
-/// Wakes the waiters of KEYS[1], on channel ARGV[n], if one marked the
-/// in-flight record `v`: an unmarked one is 50 bytes (`codec::in_flight`;
-/// a test holds the scripts to that).
-macro_rules! announce {
-    ($channel:literal) => {
-        concat!(
-            "if string.len(v) > 50 then redis.call('PUBLISH', ARGV[",
-            $channel,
-            "], KEYS[1]) end\n"
-        )
-    };
-}
-
-const COMPLETE: &str = concat!(
-    "redis.call('SET', KEYS[1], string.sub(ARGV[2], 1, 2) .. string.sub(v, 3, 34) .. string.sub(ARGV[2], 35), 'PX', ARGV[3])\n",
-    announce!("4"),
-    "return 1\n"
+/// Wakes the waiters of KEYS[1] if one marked the in-flight record `v`: an
+/// unmarked one is 50 bytes (`codec::in_flight`; a test holds the scripts
+/// to that).
+const ANNOUNCE: &str = concat!(
+    "if string.len(v) > 50 then redis.call('PUBLISH', '",
+    channel!(),
+    "', KEYS[1]) end\n"
 );
 
-const RELEASE: &str = concat!("redis.call('DEL', KEYS[1])\n", announce!("2"), "return 1\n");
+const COMPLETE: &str = r"
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1
+";
+
+const RELEASE: &str = "redis.call('DEL', KEYS[1])\nreturn 1\n";
 
 const RENEW: &str = r"
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -99,15 +100,12 @@ if string.byte(v, 2) == 0 and string.len(v) == 50 then redis.call('APPEND', KEYS
 return {v, redis.call('PTTL', KEYS[1])}
 ";
 
-const PURGE: &str = concat!(
-    "local v = redis.call('GET', KEYS[1])\n",
-    "if not v then return 0 end\n",
-    "redis.call('DEL', KEYS[1])\n",
-    "if string.byte(v, 2) == 0 then\n",
-    announce!("1"),
-    "end\n",
-    "return 1\n"
-);
+const PURGE: &str = r"
+local v = redis.call('GET', KEYS[1])
+if not v then return 0 end
+redis.call('DEL', KEYS[1])
+if string.byte(v, 2) ~= 0 then return 1 end
+";
 
 struct Scripts {
     claim: Script,
@@ -123,12 +121,12 @@ impl Scripts {
     fn new() -> Scripts {
         Scripts {
             claim: Script::new(CLAIM),
-            complete: Script::new(&format!("{OWNED}{COMPLETE}")),
-            release: Script::new(&format!("{OWNED}{RELEASE}")),
+            complete: Script::new(&format!("{OWNED}{ANNOUNCE}{COMPLETE}")),
+            release: Script::new(&format!("{OWNED}{ANNOUNCE}{RELEASE}")),
             renew: Script::new(&format!("{OWNED}{RENEW}")),
             peek: Script::new(PEEK),
             watch: Script::new(WATCH),
-            purge: Script::new(PURGE),
+            purge: Script::new(&format!("{PURGE}{ANNOUNCE}return 1\n")),
         }
     }
 }
@@ -407,7 +405,7 @@ impl RedisStore {
     /// owner token.
     async fn owned(&self, script: &Script, key: &RecordKey, owner: Owner, args: &[&[u8]]) -> Result<bool, StoreError> {
         let token = codec::owner_bytes(owner);
-        let mut all: [&[u8]; 4] = [&token, &[], &[], &[]];
+        let mut all: [&[u8]; 3] = [&token, &[], &[]];
         all[1..=args.len()].copy_from_slice(args);
         let done: Option<i64> = self
             .eval(script, RedisKey::of(key).as_bytes(), &all[..=args.len()])
@@ -446,25 +444,19 @@ impl Store for RedisStore {
     async fn complete(
         &self,
         key: &RecordKey,
+        fingerprint: &Fingerprint,
         owner: Owner,
         outcome: Outcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        // The script puts the claim's own fingerprint into the record.
-        let record = codec::completed(&Fingerprint([0; 32]), &outcome);
+        let record = codec::completed(fingerprint, &outcome);
         let ttl = ms(ttl).to_string();
-        self.owned(
-            &self.scripts.complete,
-            key,
-            owner,
-            &[&record, ttl.as_bytes(), CHANNEL.as_bytes()],
-        )
-        .await
+        self.owned(&self.scripts.complete, key, owner, &[&record, ttl.as_bytes()])
+            .await
     }
 
     async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
-        self.owned(&self.scripts.release, key, owner, &[CHANNEL.as_bytes()])
-            .await
+        self.owned(&self.scripts.release, key, owner, &[]).await
     }
 
     async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {
@@ -511,7 +503,7 @@ impl Store for RedisStore {
 
     async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
         let removed: i64 = self
-            .eval(&self.scripts.purge, RedisKey::of(key).as_bytes(), &[CHANNEL.as_bytes()])
+            .eval(&self.scripts.purge, RedisKey::of(key).as_bytes(), &[])
             .await?;
         Ok(removed == 1)
     }
@@ -580,7 +572,7 @@ mod tests {
     fn the_scripts_know_the_length_of_an_in_flight_record() {
         let record = codec::in_flight(&Fingerprint([1; 32]), Owner(7));
         assert_eq!(record.len(), IN_FLIGHT_LEN);
-        for script in [WATCH, COMPLETE, RELEASE, PURGE] {
+        for script in [WATCH, ANNOUNCE] {
             assert!(script.contains(&IN_FLIGHT_LEN.to_string()), "{script}");
         }
     }
