@@ -53,9 +53,9 @@ lock_timeout = "2s"
     let mut answers = Vec::new();
     for i in 0..20 {
         // Half the answers have been checkpointed into the file by the
-        // crash (about once a second), half are only in the log.
+        // crash (every five seconds), half are only in the log.
         if i == 10 {
-            tokio::time::sleep(Duration::from_millis(2500)).await;
+            tokio::time::sleep(Duration::from_millis(6000)).await;
         }
         let answer = client.post(&first.url("/v1/orders"), &format!("k{i}"), "{}").await;
         assert_eq!(answer.status, StatusCode::CREATED);

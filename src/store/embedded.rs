@@ -8,13 +8,15 @@
 //! and a completion before the last byte of its response leaves.
 //!
 //! Records the log holds but the database does not yet are kept in memory
-//! (the overlay) and read from there first. About once a second, or sooner
+//! (the overlay) and read from there first. Every five seconds, or sooner
 //! when the overlay grows, the writer starts a new log segment and hands the
 //! overlay to the checkpoint thread, which writes it into the redb file in
 //! one durable transaction, in key order (recording that the segments below
-//! the new one are in the file) and then retires the segments it covered. So a request
-//! costs an append to the log, and redb sees each record once, in
-//! transactions of thousands. On open, segments a crash left unapplied are
+//! the new one are in the file), and then retires the segments it covered.
+//! So a request costs an append to the log, and redb sees each record once,
+//! in transactions of tens of thousands: random keys touch most of a large
+//! file's leaf pages in any checkpoint, so fewer, larger checkpoints rewrite
+//! each page less often. On open, segments a crash left unapplied are
 //! applied to the file before anything else happens.
 //!
 //! Log segments are named `<path>-wal.<n>` (see [`Wal`]); each entry
@@ -56,8 +58,8 @@ const APPLIED_BELOW: &str = "applied_below";
 /// Most operations decided and synced together.
 const MAX_BATCH: usize = 1024;
 /// The overlay is checkpointed this often, or when it holds this much.
-const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
-const CHECKPOINT_BYTES: usize = 32 << 20;
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(5);
+const CHECKPOINT_BYTES: usize = 64 << 20;
 /// While a checkpoint runs, the writer goes on until the overlay holds this
 /// much, then waits for the checkpoint: memory stays bounded.
 const OVERLAY_LIMIT: usize = 4 * CHECKPOINT_BYTES;
