@@ -19,6 +19,10 @@
 //! each page less often. On open, segments a crash left unapplied are
 //! applied to the file before anything else happens.
 //!
+//! A [`KeyFilter`] in memory knows which keys the file holds, so a claim of
+//! a new key, found in neither the overlay nor the filter, does not read
+//! the file.
+//!
 //! Log segments are named `<path>-wal.<n>` (see [`Wal`]); each entry
 //! carries its length and a CRC-32, and a torn entry at the end of a
 //! segment (a crash in the middle of an append) is ignored: it was never
@@ -44,6 +48,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, Tab
 use tokio::sync::oneshot;
 
 use super::codec::{self, Decoded};
+use super::filter::KeyFilter;
 use super::waiters::Waiters;
 use super::{Claim, Fingerprint, KeyMap, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 
@@ -58,7 +63,12 @@ const APPLIED_BELOW: &str = "applied_below";
 /// Most operations decided and synced together.
 const MAX_BATCH: usize = 1024;
 /// The overlay is checkpointed this often, or when it holds this much.
-const CHECKPOINT_EVERY: Duration = Duration::from_secs(5);
+/// (Unit tests checkpoint often, to see records go through the file.)
+const CHECKPOINT_EVERY: Duration = if cfg!(test) {
+    Duration::from_millis(200)
+} else {
+    Duration::from_secs(5)
+};
 const CHECKPOINT_BYTES: usize = 64 << 20;
 /// While a checkpoint runs, the writer goes on until the overlay holds this
 /// much, then waits for the checkpoint: memory stays bounded.
@@ -168,6 +178,8 @@ struct Shared {
     checkpointed: Condvar,
     /// Set when a log write failed: the store takes no more writes.
     failed: OnceLock<String>,
+    /// The keys in the file.
+    filter: KeyFilter,
 }
 
 impl Shared {
@@ -196,6 +208,14 @@ impl Shared {
             }
             overlay.generation
         };
+        // Checked after the overlay: a checkpoint adds a key to the filter
+        // before the overlay lets go of it.
+        if !self.filter.may_hold(&key.0) {
+            return Ok(Found {
+                stored: None,
+                generation,
+            });
+        }
         // Opened after the overlay missed: a checkpoint that emptied the
         // overlay meanwhile has committed, and this transaction sees it.
         let txn = self.db.begin_read().map_err(unavailable)?;
@@ -288,6 +308,7 @@ impl EmbeddedStore {
             overlay: Mutex::new(Overlay::default()),
             checkpointed: Condvar::new(),
             failed: OnceLock::new(),
+            filter: KeyFilter::default(),
         });
         let waiters = Arc::new(Waiters::default());
         let (ops, rx) = std_mpsc::channel();
@@ -976,6 +997,11 @@ struct Checkpointer {
 
 impl Checkpointer {
     fn run(mut self, checkpoints: std_mpsc::Receiver<(Arc<Changes>, u64)>) {
+        // Nothing else writes the file until this thread does: its keys
+        // can be read into the filter without missing one.
+        if let Err(error) = self.load_filter() {
+            tracing::warn!(%error, "reading the keys of the embedded store failed; every claim reads the file");
+        }
         let mut last_sweep = Instant::now();
         loop {
             let checkpoint = match checkpoints.recv_timeout(SWEEP_EVERY) {
@@ -1015,6 +1041,18 @@ impl Checkpointer {
         }
     }
 
+    /// Adds every key of the file to the filter, then lets it answer.
+    fn load_filter(&self) -> Result<(), StoreError> {
+        let txn = self.shared.db.begin_read().map_err(unavailable)?;
+        let table = txn.open_table(RECORDS).map_err(unavailable)?;
+        for entry in table.iter().map_err(unavailable)? {
+            let (key, _) = entry.map_err(unavailable)?;
+            self.shared.filter.add(key.value());
+        }
+        self.shared.filter.loaded();
+        Ok(())
+    }
+
     /// Writes `changes` (expired records as removals), which cover the log
     /// segments below the number given, and, if `sweep`, a sweep batch, in
     /// one durable transaction.
@@ -1023,6 +1061,7 @@ impl Checkpointer {
         let txn = self.shared.db.begin_write().map_err(unavailable)?;
         let mut sweep_from = self.sweep_from;
         let mut written = self.written_since_sweep;
+        let mut removed = Vec::new();
         {
             let mut table = txn.open_table(RECORDS).map_err(unavailable)?;
             if let Some((_, covered_below)) = changes {
@@ -1039,10 +1078,23 @@ impl Checkpointer {
             for (key, change) in sorted {
                 written += 1;
                 match change.as_ref().filter(|stored| stored.deadline > now) {
-                    Some(stored) => table.insert(key, value_into(&mut value, stored)).map(drop),
-                    None => table.remove(key).map(drop),
+                    Some(stored) => {
+                        // Into the filter before the commit: once the
+                        // overlay lets go of the key, the filter has it.
+                        if table
+                            .insert(key, value_into(&mut value, stored))
+                            .map_err(unavailable)?
+                            .is_none()
+                        {
+                            self.shared.filter.add(key);
+                        }
+                    }
+                    None => {
+                        if table.remove(key).map_err(unavailable)?.is_some() {
+                            removed.push(*key);
+                        }
+                    }
                 }
-                .map_err(unavailable)?;
             }
             if sweep {
                 // Look at twice what was written since the last sweep (at
@@ -1065,14 +1117,20 @@ impl Checkpointer {
                         break;
                     }
                 }
-                for key in &expired {
-                    table.remove(key).map_err(unavailable)?;
+                for key in expired {
+                    if table.remove(&key).map_err(unavailable)?.is_some() {
+                        removed.push(key);
+                    }
                 }
                 // A short batch reached the end of the table: start over.
                 sweep_from = if seen == budget { last } else { None };
             }
         }
         txn.commit().map_err(unavailable)?;
+        // Out of the filter only once out of the file.
+        for key in &removed {
+            self.shared.filter.remove(key);
+        }
         self.sweep_from = sweep_from;
         self.written_since_sweep = written;
         Ok(())
@@ -1150,6 +1208,72 @@ mod tests {
                 Err(_) => std::thread::sleep(Duration::from_millis(20)),
             }
         }
+    }
+
+    /// Waits until a checkpoint has landed and left the overlay empty.
+    async fn checkpointed(store: &EmbeddedStore) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            {
+                let overlay = lock(&store.shared.overlay);
+                if overlay.active.is_empty() && overlay.frozen.is_empty() {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "no checkpoint");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn records_in_the_file_are_found_through_the_key_filter() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.redb");
+        let (kept, purged, fingerprint) = (RecordKey([3; 32]), RecordKey([4; 32]), Fingerprint([1; 32]));
+        let store = EmbeddedStore::open(&path).unwrap();
+        for key in [&kept, &purged] {
+            let owner = Owner::new();
+            let lease = Duration::from_secs(30);
+            assert_eq!(
+                store.claim(key, &fingerprint, owner, lease, None).await.unwrap(),
+                Claim::Claimed
+            );
+            let ttl = Duration::from_secs(60);
+            assert!(
+                store
+                    .complete(key, &fingerprint, owner, Outcome::Unknown, ttl)
+                    .await
+                    .unwrap()
+            );
+        }
+        checkpointed(&store).await;
+        assert!(store.shared.filter.may_hold(&kept.0) && store.shared.filter.may_hold(&purged.0));
+        assert!(!store.shared.filter.may_hold(&[5; 32]));
+        // Only in the file now: the filter lets the claim read it.
+        let again = store.claim(&kept, &fingerprint, Owner::new(), Duration::from_secs(30), None);
+        assert!(matches!(again.await.unwrap(), Claim::Completed { .. }));
+
+        assert!(store.purge(&purged).await.unwrap());
+        checkpointed(&store).await;
+        assert!(
+            !store.shared.filter.may_hold(&purged.0),
+            "out of the file, out of the filter"
+        );
+        assert!(store.shared.filter.may_hold(&kept.0));
+        drop(store);
+
+        // Reopened, the filter is loaded from the file.
+        let store = reopen(&path);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while store.shared.filter.may_hold(&[5; 32]) {
+            assert!(Instant::now() < deadline, "the filter never loaded");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(store.shared.filter.may_hold(&kept.0) && !store.shared.filter.may_hold(&purged.0));
+        let again = store.claim(&kept, &fingerprint, Owner::new(), Duration::from_secs(30), None);
+        assert!(matches!(again.await.unwrap(), Claim::Completed { .. }));
+        let fresh = store.claim(&purged, &fingerprint, Owner::new(), Duration::from_secs(30), None);
+        assert_eq!(fresh.await.unwrap(), Claim::Claimed);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

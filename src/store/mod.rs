@@ -7,6 +7,7 @@
 
 pub mod codec;
 mod embedded;
+mod filter;
 mod memory;
 mod redis;
 mod waiters;
