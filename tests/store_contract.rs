@@ -8,8 +8,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 use idemgate::store::{
-    Claim, EmbeddedStore, Fingerprint, MemoryStore, Outcome, Owner, Record, RecordKey, RedisStore, Store,
-    StoredResponse,
+    Claim, EmbeddedStore, Fingerprint, MemoryStore, Outcome, Owner, Record, RecordKey, RedisStore, Store, StoreError,
+    StoreHandle, StoredResponse,
 };
 use tokio::time::Instant;
 
@@ -433,4 +433,25 @@ async fn redis_announces_only_records_someone_waits_on() {
     );
     let more = tokio::time::timeout(Duration::from_millis(300), messages.next()).await;
     assert!(more.is_err(), "nothing else was announced");
+}
+
+/// A waiter's own steps (reading and marking the record) have the store's
+/// deadline on top of the wait: a Redis that stops answering costs the
+/// waiter that much, not the time TCP takes to give up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_hangs_costs_a_waiter_no_more_than_the_deadline() {
+    let server = support::redis::RedisServer::start();
+    let redis = Arc::new(RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap());
+    let store = StoreHandle::new(redis, Duration::from_millis(500));
+    let (k, owner) = (key(), Owner::new());
+    store.claim(&k, &A, owner, LONG, None).await.unwrap();
+    assert!(server.cli(&["client", "pause", "4000", "all"]).is_some());
+    let started = Instant::now();
+    let waited = store.wait(&k, Duration::from_secs(1)).await;
+    let elapsed = started.elapsed();
+    assert!(
+        matches!(waited, Err(StoreError::Timeout(_))),
+        "{waited:?} after {elapsed:?}"
+    );
+    assert!(elapsed < Duration::from_millis(2500), "{elapsed:?}");
 }

@@ -183,6 +183,36 @@ struct Shared {
 }
 
 impl Shared {
+    /// Adds every key of the file to the filter, then lets it answer; until
+    /// then every lookup reads the file. Runs beside the checkpoints: a key
+    /// they add or remove meanwhile can only be counted once too often
+    /// (the scan's snapshot still had it), never once too few, so the
+    /// filter errs towards reading the file.
+    fn load_filter(&self) {
+        let started = Instant::now();
+        let scan = || -> Result<u64, StoreError> {
+            let txn = self.db.begin_read().map_err(unavailable)?;
+            let table = txn.open_table(RECORDS).map_err(unavailable)?;
+            let mut keys = 0;
+            for entry in table.iter().map_err(unavailable)? {
+                let (key, _) = entry.map_err(unavailable)?;
+                self.filter.add(key.value());
+                keys += 1;
+            }
+            Ok(keys)
+        };
+        match scan() {
+            Ok(keys) => {
+                self.filter.loaded();
+                tracing::info!(keys, elapsed = ?started.elapsed(), "embedded store: key filter loaded");
+            }
+            // Keys a failed scan added stay counted: only ever too many.
+            Err(error) => {
+                tracing::warn!(%error, "reading the keys of the embedded store failed; every claim reads the file")
+            }
+        }
+    }
+
     /// The record under `key`, newest first, expired or not.
     fn lookup(&self, key: &RecordKey) -> Result<Option<Stored>, StoreError> {
         Ok(self.find(key, None)?.stored)
@@ -326,6 +356,11 @@ impl EmbeddedStore {
             sweep_from: None,
             written_since_sweep: 0,
         };
+        let loading = shared.clone();
+        std::thread::Builder::new()
+            .name("idemgate-embedded-filter".into())
+            .spawn(move || loading.load_filter())
+            .map_err(unavailable)?;
         std::thread::Builder::new()
             .name("idemgate-embedded-checkpoint".into())
             .spawn(move || checkpointer.run(checkpoint_rx))
@@ -997,11 +1032,6 @@ struct Checkpointer {
 
 impl Checkpointer {
     fn run(mut self, checkpoints: std_mpsc::Receiver<(Arc<Changes>, u64)>) {
-        // Nothing else writes the file until this thread does: its keys
-        // can be read into the filter without missing one.
-        if let Err(error) = self.load_filter() {
-            tracing::warn!(%error, "reading the keys of the embedded store failed; every claim reads the file");
-        }
         let mut last_sweep = Instant::now();
         loop {
             let checkpoint = match checkpoints.recv_timeout(SWEEP_EVERY) {
@@ -1041,18 +1071,6 @@ impl Checkpointer {
         }
     }
 
-    /// Adds every key of the file to the filter, then lets it answer.
-    fn load_filter(&self) -> Result<(), StoreError> {
-        let txn = self.shared.db.begin_read().map_err(unavailable)?;
-        let table = txn.open_table(RECORDS).map_err(unavailable)?;
-        for entry in table.iter().map_err(unavailable)? {
-            let (key, _) = entry.map_err(unavailable)?;
-            self.shared.filter.add(key.value());
-        }
-        self.shared.filter.loaded();
-        Ok(())
-    }
-
     /// Writes `changes` (expired records as removals), which cover the log
     /// segments below the number given, and, if `sweep`, a sweep batch, in
     /// one durable transaction.
@@ -1080,7 +1098,9 @@ impl Checkpointer {
                 match change.as_ref().filter(|stored| stored.deadline > now) {
                     Some(stored) => {
                         // Into the filter before the commit: once the
-                        // overlay lets go of the key, the filter has it.
+                        // overlay lets go of the key, the filter has it. A
+                        // transaction that then fails leaves it counted
+                        // (its retry counts it again): too many is safe.
                         if table
                             .insert(key, value_into(&mut value, stored))
                             .map_err(unavailable)?

@@ -200,8 +200,9 @@ pub trait Store: Send + Sync + 'static {
 
     /// Turns `owner`'s claim into a completed record kept for `ttl`.
     /// Returns false (and changes nothing) when `owner` no longer holds it.
-    /// `fingerprint` is the one `owner` claimed with: a store that keeps the
-    /// claim's own may ignore it, and Redis is spared reading it back.
+    /// Callers pass the `fingerprint` `owner` claimed with: the Redis store
+    /// writes it into the record as given (sparing the script a read and
+    /// a splice); the others keep the claim's own and ignore it.
     async fn complete(
         &self,
         key: &RecordKey,
@@ -322,9 +323,14 @@ impl StoreHandle {
         self.deadline(self.store.renew(key, owner, lease)).await
     }
 
-    /// Waits for `key` to leave flight; bounded by `timeout`, not the store deadline.
+    /// Waits for `key` to leave flight, up to `timeout`; the store's own
+    /// steps (reading the record, marking it waited on) get the store's
+    /// deadline on top, so a store that hangs costs no more than that.
     pub async fn wait(&self, key: &RecordKey, timeout: Duration) -> Result<(), StoreError> {
-        self.store.wait(key, timeout).await
+        match tokio::time::timeout(timeout + self.timeout, self.store.wait(key, timeout)).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {

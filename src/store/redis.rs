@@ -265,9 +265,10 @@ impl RedisStore {
         let client = redis::Client::open(url).map_err(unavailable)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
-            // Every call already has the store's deadline (`StoreHandle`); a
-            // second timer per command would only cost time. A response
-            // that times out does not make the manager reconnect either way.
+            // Every call already has the store's deadline (`StoreHandle`,
+            // `wait` included); a second timer per command would only cost
+            // time. A response that times out does not make the manager
+            // reconnect either way.
             .set_response_timeout(None)
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_millis(500));
