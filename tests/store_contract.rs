@@ -455,3 +455,47 @@ async fn a_redis_that_hangs_costs_a_waiter_no_more_than_the_deadline() {
     );
     assert!(elapsed < Duration::from_millis(2500), "{elapsed:?}");
 }
+
+/// Completions made in one turn of a thread's runtime go to Redis in one
+/// script call, and each is still checked against its own owner.
+#[tokio::test]
+async fn redis_completions_made_together_go_in_one_call_each_owner_checked() {
+    let server = support::redis::RedisServer::start();
+    let store = RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap();
+    let claims: Vec<_> = (0..8).map(|_| (key(), Owner::new())).collect();
+    for (k, owner) in &claims {
+        store.claim(k, &A, *owner, LONG, None).await.unwrap();
+    }
+    assert!(server.cli(&["config", "resetstat"]).is_some());
+    // Every other completion comes from a stranger to the claim.
+    let done = futures_util::future::join_all(claims.iter().enumerate().map(|(i, (k, owner))| {
+        let owner = if i % 2 == 0 { *owner } else { Owner::new() };
+        store.complete(k, &A, owner, response("x"), LONG)
+    }))
+    .await;
+    for (i, done) in done.into_iter().enumerate() {
+        assert_eq!(done.unwrap(), i % 2 == 0, "completion {i}");
+    }
+    let stats = server.cli(&["info", "commandstats"]).unwrap();
+    let evalsha = stats
+        .lines()
+        .find(|l| l.starts_with("cmdstat_evalsha:"))
+        .unwrap_or_default();
+    let field = |name: &str| -> u64 {
+        let value = evalsha
+            .split([':', ','])
+            .find_map(|f| f.strip_prefix(name))
+            .unwrap_or("0");
+        value.parse().unwrap()
+    };
+    // A fresh server refuses the first EVALSHA (NOSCRIPT) until the script
+    // is loaded: one call went through.
+    assert_eq!(field("calls=") - field("failed_calls="), 1, "{stats}");
+    for (i, (k, _)) in claims.iter().enumerate() {
+        match store.claim(k, &A, Owner::new(), LONG, None).await.unwrap() {
+            Claim::Completed { .. } => assert_eq!(i % 2, 0, "{i} completed by a stranger"),
+            Claim::InFlight { .. } => assert_eq!(i % 2, 1, "{i} not completed"),
+            Claim::Claimed => panic!("{i}: the claim was lost"),
+        }
+    }
+}
