@@ -499,3 +499,29 @@ async fn redis_completions_made_together_go_in_one_call_each_owner_checked() {
         }
     }
 }
+
+/// A write Redis refuses (here a TTL it cannot take) fails that completion
+/// alone, not the others sent with it.
+#[tokio::test]
+async fn redis_refusing_one_completion_of_a_batch_fails_it_alone() {
+    let server = support::redis::RedisServer::start();
+    let store = RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap();
+    let (good, bad) = ((key(), Owner::new()), (key(), Owner::new()));
+    for (k, owner) in [&good, &bad] {
+        store.claim(k, &A, *owner, LONG, None).await.unwrap();
+    }
+    let (done, refused) = tokio::join!(
+        store.complete(&good.0, &A, good.1, response("x"), LONG),
+        store.complete(&bad.0, &A, bad.1, response("x"), Duration::MAX),
+    );
+    assert!(done.unwrap());
+    assert!(refused.is_err(), "{refused:?}");
+    assert!(matches!(
+        store.claim(&good.0, &A, Owner::new(), LONG, None).await.unwrap(),
+        Claim::Completed { .. }
+    ));
+    assert!(matches!(
+        store.claim(&bad.0, &A, Owner::new(), LONG, None).await.unwrap(),
+        Claim::InFlight { .. }
+    ));
+}

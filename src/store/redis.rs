@@ -86,24 +86,35 @@ const RELEASE: &str = "redis.call('DEL', KEYS[1])\nreturn 1\n";
 
 /// COMPLETE for many records at once (one Redis server only: the keys span
 /// slots), each owner-checked on its own: ARGV holds owner token, record
-/// and TTL for each key in turn. Returns 1 or 0 per key.
+/// and TTL for each key in turn. Returns per key 1 (completed), 0 (not the
+/// owner's) or -1 (Redis refused the write: that key alone fails, as a
+/// script that stops half way would keep what it wrote).
 const COMPLETE_MANY: &str = concat!(
     "local done = {}\n",
     "for i = 1, #KEYS do\n",
     "  local a = (i - 1) * 3\n",
     "  local v = redis.call('GET', KEYS[i])\n",
     "  if v and string.byte(v, 2) == 0 and string.sub(v, 35, 50) == ARGV[a + 1] then\n",
-    "    if string.len(v) > 50 then redis.call('PUBLISH', '",
+    "    local set = redis.pcall('SET', KEYS[i], ARGV[a + 2], 'PX', ARGV[a + 3])\n",
+    "    if type(set) == 'table' and set.err then\n",
+    "      done[i] = -1\n",
+    "    else\n",
+    "      if string.len(v) > 50 then redis.call('PUBLISH', '",
     channel!(),
     "', KEYS[i]) end\n",
-    "    redis.call('SET', KEYS[i], ARGV[a + 2], 'PX', ARGV[a + 3])\n",
-    "    done[i] = 1\n",
+    "      done[i] = 1\n",
+    "    end\n",
     "  else\n",
     "    done[i] = 0\n",
     "  end\n",
     "end\n",
     "return done\n"
 );
+
+/// A batch of completions goes to Redis in calls of at most this many, or
+/// about this many bytes: a script blocks the server while it runs.
+const BATCH_COUNT: usize = 32;
+const BATCH_BYTES: usize = 256 << 10;
 
 const RENEW: &str = r"
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -257,6 +268,17 @@ struct Completion {
     reply: oneshot::Sender<Result<bool, StoreError>>,
 }
 
+/// `error` with its causes, for answers that must be made of a string.
+fn describe(error: &StoreError) -> String {
+    let mut text = error.to_string();
+    let mut cause = std::error::Error::source(error);
+    while let Some(inner) = cause {
+        text = format!("{text}: {inner}");
+        cause = inner.source();
+    }
+    text
+}
+
 /// Answers every completion of `batch` with `error`.
 fn fail(batch: Vec<Completion>, error: &str) {
     for completion in batch {
@@ -282,7 +304,8 @@ impl Sender {
 impl Drop for Sender {
     fn drop(&mut self) {
         if let Some(queue) = self.0.take() {
-            fail(std::mem::take(&mut *lock(&queue)), "a batched completion was abandoned");
+            let batch = std::mem::take(&mut *lock(&queue));
+            fail(batch, "a batched completion was abandoned");
         }
     }
 }
@@ -482,9 +505,29 @@ impl RedisStore {
         .await
     }
 
+    /// Completes the records of `batch`, in calls of at most
+    /// [`BATCH_COUNT`] records or about [`BATCH_BYTES`]. Answers each.
+    async fn complete_batch(&self, mut batch: Vec<Completion>) {
+        while !batch.is_empty() {
+            let mut bytes = 0;
+            let count = batch
+                .iter()
+                .take(BATCH_COUNT)
+                .take_while(|c| {
+                    let fits = bytes == 0 || bytes + c.record.len() <= BATCH_BYTES;
+                    bytes += c.record.len();
+                    fits
+                })
+                .count();
+            let rest = batch.split_off(count);
+            self.complete_together(batch).await;
+            batch = rest;
+        }
+    }
+
     /// Completes the records of `batch`: one alone by the completion script,
     /// more by COMPLETE_MANY in one call. Answers each.
-    async fn complete_batch(&self, mut batch: Vec<Completion>) {
+    async fn complete_together(&self, mut batch: Vec<Completion>) {
         if batch.len() == 1 {
             let one = batch.pop().expect("one");
             let args: [&[u8]; 3] = [&one.token, &one.record, one.ttl.as_bytes()];
@@ -503,11 +546,15 @@ impl RedisStore {
         match result {
             Ok(done) if done.len() == batch.len() => {
                 for (completion, done) in batch.into_iter().zip(done) {
-                    let _ = completion.reply.send(Ok(done == 1));
+                    let answer = match done {
+                        -1 => Err(StoreError::Unavailable("Redis refused to write the record".into())),
+                        done => Ok(done == 1),
+                    };
+                    let _ = completion.reply.send(answer);
                 }
             }
             Ok(_) => fail(batch, "Redis answered a batch of completions with the wrong count"),
-            Err(error) => fail(batch, &error.to_string()),
+            Err(error) => fail(batch, &describe(&error)),
         }
     }
 
@@ -710,7 +757,7 @@ mod tests {
     fn the_scripts_know_the_length_of_an_in_flight_record() {
         let record = codec::in_flight(&Fingerprint([1; 32]), Owner(7));
         assert_eq!(record.len(), IN_FLIGHT_LEN);
-        for script in [WATCH, ANNOUNCE] {
+        for script in [WATCH, ANNOUNCE, COMPLETE_MANY] {
             assert!(script.contains(&IN_FLIGHT_LEN.to_string()), "{script}");
         }
     }
