@@ -31,7 +31,7 @@ use super::problem::Problem;
 use super::upstream::UpstreamClient;
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
 use crate::store::{Fingerprint, Outcome, Owner, RecordKey, StoreHandle, StoredResponse};
-use crate::telemetry::{Metrics, Outcome as TelemetryOutcome, RouteCounters};
+use crate::telemetry::{Metrics, Outcome as TelemetryOutcome, RouteCounters, error_chain};
 use tracing::{Instrument, Span};
 
 /// Frames buffered between the exchange task and the client connection.
@@ -610,16 +610,4 @@ async fn abort(client: Option<BodySender>, why: &'static str) {
     if let Some(tx) = client {
         tx.abort(why).await;
     }
-}
-
-/// An error and its sources, for a log line.
-pub fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }

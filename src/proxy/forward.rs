@@ -87,25 +87,20 @@ pub fn prepare(request: &mut Request<UpstreamBody>, upstream: &Uri, peer: Peer) 
     // Every earlier hop, from every X-Forwarded-For line, then this client;
     // one lookup of the name whether it is there or not.
     let mut forwarded_for = String::with_capacity(64);
-    match headers.entry(X_FORWARDED_FOR.clone()) {
-        Entry::Occupied(mut entry) => {
-            let earlier = entry.iter().filter_map(|v| v.to_str().ok()).map(str::trim);
-            for hop in earlier.filter(|v| !v.is_empty()) {
-                forwarded_for.push_str(hop);
-                forwarded_for.push_str(", ");
-            }
-            push_ip(&mut forwarded_for, peer.addr.ip());
-            match HeaderValue::from_str(&forwarded_for) {
-                Ok(value) => drop(entry.insert_mult(value)),
-                Err(_) => drop(entry.remove_entry_mult()),
-            }
+    let entry = headers.entry(X_FORWARDED_FOR.clone());
+    if let Entry::Occupied(earlier) = &entry {
+        let earlier = earlier.iter().filter_map(|v| v.to_str().ok()).map(str::trim);
+        for hop in earlier.filter(|v| !v.is_empty()) {
+            forwarded_for.push_str(hop);
+            forwarded_for.push_str(", ");
         }
-        Entry::Vacant(entry) => {
-            push_ip(&mut forwarded_for, peer.addr.ip());
-            if let Ok(value) = HeaderValue::from_str(&forwarded_for) {
-                entry.insert(value);
-            }
-        }
+    }
+    push_ip(&mut forwarded_for, peer.addr.ip());
+    match (entry, HeaderValue::from_str(&forwarded_for)) {
+        (Entry::Occupied(mut entry), Ok(value)) => drop(entry.insert_mult(value)),
+        (Entry::Occupied(entry), Err(_)) => drop(entry.remove_entry_mult()),
+        (Entry::Vacant(entry), Ok(value)) => drop(entry.insert(value)),
+        (Entry::Vacant(_), Err(_)) => {}
     }
     headers.insert(
         X_FORWARDED_PROTO.clone(),

@@ -441,7 +441,7 @@ impl Gateway {
                 )
             }
             Ok(Err(error)) => {
-                tracing::warn!(error = %exchange::error_chain(&error), "upstream request failed");
+                tracing::warn!(error = %crate::telemetry::error_chain(&error), "upstream request failed");
                 let detail = if error.is_connect() {
                     "the upstream cannot be reached"
                 } else {

@@ -7,27 +7,23 @@
 //! wrong answer. The filter may say "maybe" of a key the file does not hold
 //! (a read that finds nothing), never "no" of one it does.
 
-use std::collections::HashMap;
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::lock;
+use super::{KeyMap, lock};
 
 const SHARDS: usize = 16;
 
 pub(crate) struct KeyFilter {
-    shards: [Mutex<HashMap<u64, u32, PrefixHashing>>; SHARDS],
+    shards: [Mutex<KeyMap<u64, u32>>; SHARDS],
     /// Until the file's keys are loaded, every key may be in it.
     ready: AtomicBool,
 }
 
 impl Default for KeyFilter {
     fn default() -> KeyFilter {
-        let hashing = PrefixHashing::default();
         KeyFilter {
-            shards: std::array::from_fn(|_| Mutex::new(HashMap::with_hasher(hashing.clone()))),
+            shards: std::array::from_fn(|_| Mutex::new(KeyMap::default())),
             ready: AtomicBool::new(false),
         }
     }
@@ -38,7 +34,7 @@ impl KeyFilter {
         u64::from_le_bytes(key[..8].try_into().expect("8 bytes"))
     }
 
-    fn shard(&self, prefix: u64) -> &Mutex<HashMap<u64, u32, PrefixHashing>> {
+    fn shard(&self, prefix: u64) -> &Mutex<KeyMap<u64, u32>> {
         &self.shards[(prefix >> 60) as usize % SHARDS]
     }
 
@@ -80,46 +76,6 @@ impl KeyFilter {
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.shards.iter().map(|shard| lock(shard).len()).sum()
-    }
-}
-
-/// Hashing for the prefixes, which are evenly spread already: mixed with
-/// random seeds, so keys chosen to collide in a table's low bits do not.
-#[derive(Clone)]
-struct PrefixHashing([u64; 2]);
-
-impl Default for PrefixHashing {
-    fn default() -> PrefixHashing {
-        let random = RandomState::new();
-        PrefixHashing([random.hash_one(1u8), random.hash_one(2u8) | 1])
-    }
-}
-
-impl BuildHasher for PrefixHashing {
-    type Hasher = PrefixHasher;
-
-    fn build_hasher(&self) -> PrefixHasher {
-        PrefixHasher { seeds: self.0, hash: 0 }
-    }
-}
-
-struct PrefixHasher {
-    seeds: [u64; 2],
-    hash: u64,
-}
-
-impl Hasher for PrefixHasher {
-    fn write(&mut self, _bytes: &[u8]) {
-        unreachable!("only u64 prefixes are hashed");
-    }
-
-    fn write_u64(&mut self, prefix: u64) {
-        let mixed = (prefix ^ self.seeds[0]).wrapping_mul(self.seeds[1]);
-        self.hash = mixed ^ (mixed >> 29);
-    }
-
-    fn finish(&self) -> u64 {
-        self.hash
     }
 }
 

@@ -36,8 +36,9 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// A map keyed by record keys (`RecordKey` or its 32 bytes), hashed with
-/// [`KeyHashing`]. For no other key type: the hasher reads one 32-byte write.
+/// A map keyed by record keys (`RecordKey` or its 32 bytes) or by their
+/// first 8 bytes as a `u64`, hashed with [`KeyHashing`]. For no other key
+/// type: the hasher reads one 32-byte write or one `u64`.
 pub(crate) type KeyMap<K, V> = HashMap<K, V, KeyHashing>;
 
 /// Hashing for record keys, which are SHA-256 digests already, so their
@@ -68,6 +69,13 @@ pub(crate) struct KeyHasher {
     hash: u64,
 }
 
+impl KeyHasher {
+    fn mix(&mut self, a: u64, b: u64) {
+        let product = u128::from(a ^ self.seeds[0]) * u128::from(b ^ self.seeds[1]);
+        self.hash ^= (product as u64) ^ ((product >> 64) as u64);
+    }
+}
+
 impl Hasher for KeyHasher {
     fn write(&mut self, bytes: &[u8]) {
         debug_assert_eq!(bytes.len(), 32, "KeyMap is for record keys only");
@@ -76,8 +84,12 @@ impl Hasher for KeyHasher {
                 .get(at..at + 8)
                 .map_or(0, |w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
         };
-        let product = u128::from(word(0) ^ self.seeds[0]) * u128::from(word(8) ^ self.seeds[1]);
-        self.hash ^= (product as u64) ^ ((product >> 64) as u64);
+        self.mix(word(0), word(8));
+    }
+
+    /// A key's first 8 bytes (the embedded store's key filter).
+    fn write_u64(&mut self, prefix: u64) {
+        self.mix(prefix, prefix.rotate_left(32));
     }
 
     /// The length a byte array is prefixed with: always 32 here.

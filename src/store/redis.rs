@@ -39,6 +39,7 @@ use tokio::sync::{OnceCell, oneshot};
 use super::codec::{self, Decoded};
 use super::waiters::Waiters;
 use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
+use crate::telemetry::error_chain;
 
 /// Completions and releases are announced here, payload the record's key.
 /// A macro, so the scripts can name it as a literal.
@@ -261,22 +262,11 @@ impl Drop for AbortOnDrop {
 
 /// A completion queued to go to Redis with others.
 struct Completion {
-    key: RedisKey,
-    token: [u8; 16],
+    key: RecordKey,
+    owner: Owner,
     record: Vec<u8>,
     ttl: String,
     reply: oneshot::Sender<Result<bool, StoreError>>,
-}
-
-/// `error` with its causes, for answers that must be made of a string.
-fn describe(error: &StoreError) -> String {
-    let mut text = error.to_string();
-    let mut cause = std::error::Error::source(error);
-    while let Some(inner) = cause {
-        text = format!("{text}: {inner}");
-        cause = inner.source();
-    }
-    text
 }
 
 /// Answers every completion of `batch` with `error`.
@@ -327,13 +317,10 @@ impl RedisKey {
     const LEN: usize = RedisKey::PREFIX.len() + 64 + 1;
 
     fn of(key: &RecordKey) -> RedisKey {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
         let mut out = [0u8; RedisKey::LEN];
-        out[..RedisKey::PREFIX.len()].copy_from_slice(RedisKey::PREFIX);
-        for (pair, byte) in out[RedisKey::PREFIX.len()..].chunks_exact_mut(2).zip(key.0) {
-            pair[0] = HEX[usize::from(byte >> 4)];
-            pair[1] = HEX[usize::from(byte & 0xf)];
-        }
+        let (prefix, rest) = out.split_at_mut(RedisKey::PREFIX.len());
+        prefix.copy_from_slice(RedisKey::PREFIX);
+        hex::encode_to_slice(key.0, &mut rest[..64]).expect("64 hex digits for 32 bytes");
         out[RedisKey::LEN - 1] = b'}';
         RedisKey(out)
     }
@@ -530,16 +517,25 @@ impl RedisStore {
     async fn complete_together(&self, mut batch: Vec<Completion>) {
         if batch.len() == 1 {
             let one = batch.pop().expect("one");
-            let args: [&[u8]; 3] = [&one.token, &one.record, one.ttl.as_bytes()];
-            let result = self.eval(&self.scripts.complete, one.key.as_bytes(), &args).await;
-            let _ = one.reply.send(result.map(|done: Option<i64>| done == Some(1)));
+            let result = self
+                .owned(
+                    &self.scripts.complete,
+                    &one.key,
+                    one.owner,
+                    &[&one.record, one.ttl.as_bytes()],
+                )
+                .await;
+            let _ = one.reply.send(result);
             return;
         }
         let result: Result<Vec<i64>, StoreError> = {
-            let keys: Vec<&[u8]> = batch.iter().map(|c| c.key.as_bytes()).collect();
+            let keys: Vec<RedisKey> = batch.iter().map(|c| RedisKey::of(&c.key)).collect();
+            let tokens: Vec<[u8; 16]> = batch.iter().map(|c| codec::owner_bytes(c.owner)).collect();
+            let keys: Vec<&[u8]> = keys.iter().map(RedisKey::as_bytes).collect();
             let args: Vec<&[u8]> = batch
                 .iter()
-                .flat_map(|c| [&c.token[..], &c.record[..], c.ttl.as_bytes()])
+                .zip(&tokens)
+                .flat_map(|(c, token)| [&token[..], &c.record[..], c.ttl.as_bytes()])
                 .collect();
             self.eval_on(&self.scripts.complete_many, &keys, &args).await
         };
@@ -554,7 +550,7 @@ impl RedisStore {
                 }
             }
             Ok(_) => fail(batch, "Redis answered a batch of completions with the wrong count"),
-            Err(error) => fail(batch, &describe(&error)),
+            Err(error) => fail(batch, &error_chain(&error)),
         }
     }
 
@@ -621,8 +617,8 @@ impl Store for RedisStore {
         let first = {
             let mut queue = lock(&queue);
             queue.push(Completion {
-                key: RedisKey::of(key),
-                token: codec::owner_bytes(owner),
+                key: *key,
+                owner,
                 record,
                 ttl,
                 reply,

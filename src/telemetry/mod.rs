@@ -4,6 +4,18 @@ pub mod metrics;
 
 pub use metrics::{Metrics, Outcome, RouteCounters};
 
+/// An error and its sources, for a log line.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 /// Installs the global subscriber: `RUST_LOG` filters (default `info`),
 /// `IDEMGATE_LOG_FORMAT=json` selects JSON lines instead of text.
 pub fn init() {
