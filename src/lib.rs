@@ -55,3 +55,4 @@ pub mod proxy;
 pub mod server;
 pub mod store;
 pub mod telemetry;
+mod wire;

@@ -1,5 +1,5 @@
-//! The body types idemgate sends: to the client ([`ResponseBody`]) and to
-//! the upstream ([`UpstreamBody`]).
+//! The body types idemgate moves: from the client ([`ClientBody`]), to the
+//! client ([`ResponseBody`]) and to the upstream ([`UpstreamBody`]).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -10,7 +10,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Sleep;
 
 use super::upstream::UpstreamResponseBody;
@@ -19,7 +19,134 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A request body on its way upstream: buffered for idempotent routes,
 /// streamed for pass-through.
-pub type UpstreamBody = http_body_util::Either<Full<Bytes>, Incoming>;
+pub type UpstreamBody = http_body_util::Either<Full<Bytes>, ClientBody>;
+
+/// A request body as the client sends it.
+pub enum ClientBody {
+    /// All of it, read with the head (or none at all).
+    Whole(Option<Bytes>),
+    /// Read from an HTTP/1.1 connection by its listener as this is polled
+    /// (see [`ClientBody::feed`]).
+    Fed(Box<Fed>),
+    /// The body of an HTTP/2 stream.
+    H2(Incoming),
+}
+
+/// What the listener sends into a fed body: data, `None` at the end, or
+/// the error that ends it.
+pub type FeedItem = Result<Option<Bytes>, BoxError>;
+
+pub struct Fed {
+    items: mpsc::Receiver<FeedItem>,
+    /// Told on the first poll: the listener answers `100 Continue` then.
+    wanted: Option<oneshot::Sender<()>>,
+    /// The declared length still to come; `None` when chunked.
+    left: Option<u64>,
+    ended: bool,
+}
+
+/// The listener's half of a fed body.
+pub struct Feed {
+    pub items: mpsc::Sender<FeedItem>,
+    /// Resolves when the body is first polled; an error when it was dropped
+    /// unread.
+    pub wanted: Option<oneshot::Receiver<()>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the client's body broke off")]
+pub struct BodyBrokeOff;
+
+impl ClientBody {
+    pub fn whole(bytes: Bytes) -> ClientBody {
+        ClientBody::Whole(Some(bytes).filter(|b| !b.is_empty()))
+    }
+
+    /// A body the listener feeds as it reads it: `length` when declared,
+    /// and with `on_demand` nothing is read until the body is first polled
+    /// (`Expect: 100-continue`).
+    pub fn feed(length: Option<u64>, on_demand: bool) -> (Feed, ClientBody) {
+        let (tx, rx) = mpsc::channel(4);
+        let (wanted, want) = if on_demand {
+            let (tx, rx) = oneshot::channel();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
+        let fed = Fed {
+            items: rx,
+            wanted,
+            left: length,
+            ended: false,
+        };
+        (
+            Feed {
+                items: tx,
+                wanted: want,
+            },
+            ClientBody::Fed(Box::new(fed)),
+        )
+    }
+}
+
+impl Body for ClientBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            ClientBody::Whole(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            ClientBody::H2(incoming) => Pin::new(incoming).poll_frame(cx).map_err(Into::into),
+            ClientBody::Fed(fed) => {
+                if fed.ended {
+                    return Poll::Ready(None);
+                }
+                if let Some(wanted) = fed.wanted.take() {
+                    let _ = wanted.send(());
+                }
+                let item = ready!(fed.items.poll_recv(cx));
+                Poll::Ready(match item {
+                    Some(Ok(Some(data))) => {
+                        if let Some(left) = &mut fed.left {
+                            *left = left.saturating_sub(data.len() as u64);
+                        }
+                        Some(Ok(Frame::data(data)))
+                    }
+                    Some(Ok(None)) => {
+                        fed.ended = true;
+                        None
+                    }
+                    Some(Err(error)) => {
+                        fed.ended = true;
+                        Some(Err(error))
+                    }
+                    // The listener went away without saying the body ended.
+                    None => {
+                        fed.ended = true;
+                        Some(Err(BodyBrokeOff.into()))
+                    }
+                })
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ClientBody::Whole(bytes) => bytes.is_none(),
+            ClientBody::H2(incoming) => incoming.is_end_stream(),
+            ClientBody::Fed(fed) => fed.ended,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ClientBody::Whole(bytes) => SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64)),
+            ClientBody::H2(incoming) => incoming.size_hint(),
+            ClientBody::Fed(fed) if fed.ended => SizeHint::with_exact(0),
+            ClientBody::Fed(fed) => fed.left.map_or_else(SizeHint::default, SizeHint::with_exact),
+        }
+    }
+}
 
 /// A frame sent by the recording task, or the error that ends the body.
 pub type ChannelItem = Result<Frame<Bytes>, BoxError>;

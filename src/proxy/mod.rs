@@ -27,13 +27,12 @@ use http::header::{CONTENT_LENGTH, HOST};
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, Uri};
 use http_body_util::{BodyExt, Either, Full, Limited};
-use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
 
-pub use body::ResponseBody;
+pub use body::{ClientBody, Feed, ResponseBody};
 pub use forward::Peer;
 pub use problem::Problem;
 
@@ -70,7 +69,7 @@ enum Routed<'a> {
 
 /// A request body: still streaming from the client, or already buffered.
 enum RequestBody {
-    Streaming(Incoming),
+    Streaming(ClientBody),
     Buffered(Bytes),
 }
 
@@ -134,7 +133,7 @@ impl Gateway {
     ///
     /// Runs in a `request` span with the route, the outcome and a short hash
     /// of the record key (never the key itself).
-    pub async fn handle(&self, request: Request<Incoming>, peer: Peer) -> Response<ResponseBody> {
+    pub async fn handle(&self, request: Request<ClientBody>, peer: Peer) -> Response<ResponseBody> {
         let span = tracing::info_span!("request", route = Empty, outcome = Empty, key = Empty);
         async {
             let response = self.pipeline(request, peer).await;
@@ -145,7 +144,7 @@ impl Gateway {
         .await
     }
 
-    async fn pipeline(&self, request: Request<Incoming>, peer: Peer) -> Response<ResponseBody> {
+    async fn pipeline(&self, request: Request<ClientBody>, peer: Peer) -> Response<ResponseBody> {
         match self.route_for(&request) {
             Routed::Idempotent(live, params) => self.idempotent(live, params, request, peer).await,
             Routed::PassThrough(upstream) => {
@@ -155,7 +154,7 @@ impl Gateway {
         }
     }
 
-    fn route_for(&self, request: &Request<Incoming>) -> Routed<'_> {
+    fn route_for(&self, request: &Request<ClientBody>) -> Routed<'_> {
         let host = request
             .headers()
             .get(HOST)
@@ -191,7 +190,7 @@ impl Gateway {
         &self,
         live: &LiveRoute,
         params: RouteMatch,
-        request: Request<Incoming>,
+        request: Request<ClientBody>,
         peer: Peer,
     ) -> Response<ResponseBody> {
         let policy = &live.policy;
@@ -394,8 +393,16 @@ impl Gateway {
     /// Buffers the request body up to `max_request_body`. On failure, hands
     /// back the body when none of it was read yet, so shadow mode can still
     /// forward it.
-    async fn read_body(&self, parts: &Parts, body: Incoming) -> Result<Bytes, (Problem, Option<RequestBody>)> {
+    async fn read_body(&self, parts: &Parts, body: ClientBody) -> Result<Bytes, (Problem, Option<RequestBody>)> {
         let limit = self.config.server.max_request_body;
+        if let ClientBody::Whole(bytes) = body {
+            // Read with the head already: nothing to wait for.
+            let bytes = bytes.unwrap_or_default();
+            if bytes.len() as u64 > limit {
+                return Err((Problem::BodyTooLarge { limit }, Some(RequestBody::Buffered(bytes))));
+            }
+            return Ok(bytes);
+        }
         let declared = parts
             .headers
             .get(CONTENT_LENGTH)

@@ -20,8 +20,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderName, HeaderValue};
 use http::uri::{Authority, Scheme};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
@@ -35,13 +35,11 @@ use tokio_rustls::client::TlsStream;
 use super::body::{BoxError, UpstreamBody};
 use crate::config::UpstreamConfig;
 use crate::server::tls::{self, TlsError};
+use crate::wire::{self, Chunked, MAX_HEAD, MAX_HEADERS, next_chunk};
 
 /// Idle connections older than this are closed rather than reused.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 const MAX_IDLE_PER_UPSTREAM: usize = 1024;
-/// The largest response head (status line and headers) accepted.
-const MAX_HEAD: usize = 64 * 1024;
-const MAX_HEADERS: usize = 128;
 /// Bytes read from the upstream at a time, at least.
 const READ_CHUNK: usize = 16 * 1024;
 /// Request bodies up to this size are written with the head, in one write.
@@ -374,7 +372,7 @@ async fn write_request(
                 .await
                 .map_err(io)?;
             while let Some(frame) = incoming.frame().await {
-                let frame = frame.map_err(|e| UpstreamError::RequestBody(e.into()))?;
+                let frame = frame.map_err(UpstreamError::RequestBody)?;
                 let Ok(data) = frame.into_data() else { continue };
                 if data.is_empty() {
                     continue;
@@ -407,16 +405,6 @@ enum Framing {
     Chunked(Chunked),
     /// Neither: the body runs until the upstream closes the connection.
     Close,
-}
-
-/// Where a chunked body is.
-enum Chunked {
-    Size,
-    Data(u64),
-    DataEnd,
-    /// The trailers so far, and how many bytes of them.
-    Trailers(HeaderMap, usize),
-    Done,
 }
 
 /// Reads the response head (skipping 1xx interim answers) and decides the
@@ -487,14 +475,7 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
 /// The body's framing (RFC 9112 §6.3) and whether the connection stays open.
 fn framing(response: &Response<()>, head_only: bool, minor: u8) -> Result<(Framing, bool), UpstreamError> {
     let headers = response.headers();
-    let tokens = |name| {
-        headers
-            .get_all(name)
-            .iter()
-            .flat_map(|v| v.to_str().unwrap_or("").split(','))
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
-    };
+    let tokens = |name| wire::tokens(headers, name);
     let keep_alive = if minor == 1 {
         !tokens(header::CONNECTION).any(|t| t.eq_ignore_ascii_case("close"))
     } else {
@@ -514,17 +495,7 @@ fn framing(response: &Response<()>, head_only: bool, minor: u8) -> Result<(Frami
         }
         return Ok((Framing::Close, false));
     }
-    let not_a_number = || UpstreamError::Protocol("content-length is not a number");
-    let mut length = None;
-    for value in headers.get_all(header::CONTENT_LENGTH) {
-        for value in value.to_str().map_err(|_| not_a_number())?.split(',') {
-            let value = digits(value.trim(), 10).ok_or_else(not_a_number)?;
-            if length.is_some_and(|l| l != value) {
-                return Err(UpstreamError::Protocol("conflicting content-length values"));
-            }
-            length = Some(value);
-        }
-    }
+    let length = wire::content_length(headers).map_err(UpstreamError::Protocol)?;
     Ok(match length {
         Some(0) => (Framing::Empty, keep_alive),
         Some(length) => (Framing::Length(length), keep_alive),
@@ -592,7 +563,7 @@ impl Body for UpstreamResponseBody {
                         Ok(frame) => frame,
                         Err(error) => {
                             this.conn = None;
-                            return Poll::Ready(Some(Err(error)));
+                            return Poll::Ready(Some(Err(UpstreamError::Protocol(error))));
                         }
                     },
                 };
@@ -646,142 +617,9 @@ impl Body for UpstreamResponseBody {
     }
 }
 
-/// The next frame of a chunked body in `buf`, if it holds one; `None` when
-/// more bytes are needed or the body is done (the state says which).
-fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Frame<Bytes>>, UpstreamError> {
-    let bad = || UpstreamError::Protocol("the chunked body is malformed");
-    loop {
-        match state {
-            Chunked::Size => {
-                let Some(end) = line_end(buf) else {
-                    return if buf.len() > 1024 { Err(bad()) } else { Ok(None) };
-                };
-                let line = std::str::from_utf8(&buf[..end]).map_err(|_| bad())?;
-                let size = digits(line.split(';').next().unwrap_or("").trim(), 16).ok_or_else(bad)?;
-                buf.advance(end + 2);
-                *state = if size == 0 {
-                    Chunked::Trailers(HeaderMap::new(), 0)
-                } else {
-                    Chunked::Data(size)
-                };
-            }
-            Chunked::Data(left) => {
-                if buf.is_empty() {
-                    return Ok(None);
-                }
-                let n = (*left).min(buf.len() as u64);
-                *left -= n;
-                let data = buf.split_to(n as usize).freeze();
-                if *left == 0 {
-                    *state = Chunked::DataEnd;
-                }
-                return Ok(Some(Frame::data(data)));
-            }
-            Chunked::DataEnd => {
-                if buf.len() < 2 {
-                    return Ok(None);
-                }
-                if &buf[..2] != b"\r\n" {
-                    return Err(bad());
-                }
-                buf.advance(2);
-                *state = Chunked::Size;
-            }
-            Chunked::Trailers(trailers, size) => {
-                let Some(end) = line_end(buf) else {
-                    return if *size + buf.len() > MAX_HEAD {
-                        Err(bad())
-                    } else {
-                        Ok(None)
-                    };
-                };
-                *size += end + 2;
-                if *size > MAX_HEAD || trailers.len() >= MAX_HEADERS {
-                    return Err(UpstreamError::Protocol("the trailers are too large"));
-                }
-                if end == 0 {
-                    buf.advance(2);
-                    let trailers = std::mem::take(trailers);
-                    *state = Chunked::Done;
-                    return Ok((!trailers.is_empty()).then(|| Frame::trailers(trailers)));
-                }
-                let line = buf.split_to(end + 2).freeze();
-                let colon = line.iter().position(|b| *b == b':').ok_or_else(bad)?;
-                let name = HeaderName::from_bytes(&line[..colon]).map_err(|_| bad())?;
-                let value = line.slice(colon + 1..end);
-                let start = value.iter().take_while(|b| b.is_ascii_whitespace()).count();
-                let trimmed = value.slice(start..);
-                let value = HeaderValue::from_bytes(trimmed.trim_ascii_end()).map_err(|_| bad())?;
-                trailers.try_append(name, value).map_err(|_| bad())?;
-            }
-            Chunked::Done => return Ok(None),
-        }
-    }
-}
-
-/// A number of only digits of `radix` (no sign, unlike `from_str_radix`).
-fn digits(text: &str, radix: u32) -> Option<u64> {
-    if text.is_empty() || !text.chars().all(|c| c.is_digit(radix)) {
-        return None;
-    }
-    u64::from_str_radix(text, radix).ok()
-}
-
-fn line_end(buf: &[u8]) -> Option<usize> {
-    buf.windows(2).position(|w| w == b"\r\n")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn chunks(wire: &[u8]) -> (Vec<u8>, Option<HeaderMap>, bool) {
-        let mut state = Chunked::Size;
-        let mut buf = BytesMut::from(wire);
-        let (mut data, mut trailers) = (Vec::new(), None);
-        while let Some(frame) = next_chunk(&mut state, &mut buf).unwrap() {
-            match frame.into_data() {
-                Ok(bytes) => data.extend_from_slice(&bytes),
-                Err(frame) => trailers = frame.into_trailers().ok(),
-            }
-        }
-        (data, trailers, matches!(state, Chunked::Done))
-    }
-
-    #[test]
-    fn chunked_bodies_decode_with_extensions_and_trailers() {
-        let (data, trailers, done) = chunks(b"5;ext=1\r\nhello\r\n1\r\n!\r\n0\r\nx-sum: 6 \r\n\r\n");
-        assert_eq!(data, b"hello!");
-        assert!(done);
-        assert_eq!(trailers.unwrap()["x-sum"], "6");
-
-        // Cut anywhere, it waits for more rather than failing.
-        let (data, _, done) = chunks(b"5\r\nhel");
-        assert_eq!(data, b"hel");
-        assert!(!done);
-    }
-
-    #[test]
-    fn trailers_are_bounded() {
-        let mut wire = b"0\r\n".to_vec();
-        for i in 0..MAX_HEADERS + 1 {
-            wire.extend_from_slice(format!("x-t{i}: 1\r\n").as_bytes());
-        }
-        let mut state = Chunked::Size;
-        let mut buf = BytesMut::from(&wire[..]);
-        assert!(next_chunk(&mut state, &mut buf).is_err());
-    }
-
-    #[test]
-    fn malformed_chunks_are_errors() {
-        let mut state = Chunked::Size;
-        let mut buf = BytesMut::from(&b"zz\r\n"[..]);
-        assert!(next_chunk(&mut state, &mut buf).is_err());
-        let mut state = Chunked::Size;
-        let mut buf = BytesMut::from(&b"1\r\nabc"[..]);
-        assert!(next_chunk(&mut state, &mut buf).unwrap().is_some());
-        assert!(next_chunk(&mut state, &mut buf).is_err());
-    }
 
     #[test]
     fn framing_follows_rfc_9112() {

@@ -1,24 +1,31 @@
-//! The listeners: the proxy's accept loop (HTTP/1.1 and h2c through
-//! hyper-util's auto builder), the admin listener, and graceful shutdown.
+//! The listeners: the proxy's accept loop (HTTP/1.1 by our own [`h1`]
+//! connection, HTTP/2 by hyper, chosen by ALPN or the HTTP/2 preface), the
+//! admin listener, and graceful shutdown.
 
 pub mod admin;
+mod h1;
 pub mod tls;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
 use arc_swap::ArcSwap;
+use bytes::{Buf, Bytes};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::proxy::{Gateway, Peer};
+use crate::proxy::{ClientBody, Gateway, Peer};
 use crate::store::StoreHandle;
 use crate::telemetry::Metrics;
 
@@ -204,13 +211,11 @@ impl Server {
             tokio::spawn(admin::serve(admin, gateway.clone(), metrics, admin_stopped));
         }
 
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder
-            .http1()
-            .timer(TokioTimer::new())
-            .header_read_timeout(config.server.header_read_timeout);
-        builder.http2().timer(TokioTimer::new());
-        let graceful = GracefulShutdown::new();
+        // Cancelled at shutdown: idle connections close, busy ones after
+        // their answer (HTTP/1.1) or their open streams (HTTP/2).
+        let stopping = CancellationToken::new();
+        let connections = TaskTracker::new();
+        let header_read_timeout = config.server.header_read_timeout;
         tracing::info!(listen = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), routes = config.routes.len(), "idemgate serving");
 
         tokio::pin!(shutdown);
@@ -232,35 +237,25 @@ impl Server {
                 addr,
                 tls: tls.is_some(),
             };
-            let gateway = gateway.clone();
-            let service = service_fn(move |request| {
-                let gateway = gateway.load_full();
-                async move { Ok::<_, Infallible>(gateway.handle(request, peer).await) }
-            });
+            let (gateway, stopping) = (gateway.clone(), stopping.clone());
             match &tls {
                 None => {
-                    let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
-                    let connection = graceful.watch(connection);
-                    tokio::spawn(async move {
-                        if let Err(error) = connection.await {
-                            tracing::debug!(%error, "connection ended with an error");
-                        }
-                    });
+                    connections.spawn(serve_connection(stream, gateway, peer, header_read_timeout, stopping));
                 }
                 Some(acceptor) => {
                     // The handshake runs in the connection's own task, bounded
                     // like a request head, so a slow client stalls nobody.
-                    let (acceptor, builder, watcher) = (acceptor.clone(), builder.clone(), graceful.watcher());
-                    let handshake_timeout = config.server.header_read_timeout;
-                    tokio::spawn(async move {
-                        let stream = match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
+                    let acceptor = acceptor.clone();
+                    connections.spawn(async move {
+                        let stream = match tokio::time::timeout(header_read_timeout, acceptor.accept(stream)).await {
                             Ok(Ok(stream)) => stream,
                             Ok(Err(error)) => return tracing::debug!(%error, "TLS handshake failed"),
                             Err(_) => return tracing::debug!("TLS handshake timed out"),
                         };
-                        let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
-                        if let Err(error) = watcher.watch(connection).await {
-                            tracing::debug!(%error, "connection ended with an error");
+                        if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
+                            serve_h2(Rewind::new(Bytes::new(), stream), gateway, peer, stopping).await;
+                        } else {
+                            serve_connection(stream, gateway, peer, header_read_timeout, stopping).await;
                         }
                     });
                 }
@@ -274,8 +269,10 @@ impl Server {
         // An exchange outlives its connection when the client hung up: wait
         // for those too, so their records are completed.
         exchanges.close();
+        connections.close();
+        stopping.cancel();
         let drained = async {
-            graceful.shutdown().await;
+            connections.wait().await;
             exchanges.wait().await;
         };
         match tokio::time::timeout(grace, drained).await {
@@ -285,5 +282,86 @@ impl Server {
                 "shutdown grace ran out; exchanges still open keep their claims until their leases end"
             ),
         }
+    }
+}
+
+/// Serves a connection as HTTP/1.1, or as HTTP/2 if it opens with the
+/// HTTP/2 preface.
+async fn serve_connection<S>(
+    stream: S,
+    gateway: Arc<ArcSwap<Gateway>>,
+    peer: Peer,
+    header_read_timeout: Duration,
+    stopping: CancellationToken,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    match h1::serve(stream, gateway.clone(), peer, header_read_timeout, stopping.clone()).await {
+        h1::Ended::Closed => {}
+        h1::Ended::Http2(stream, read) => serve_h2(Rewind::new(read, stream), gateway, peer, stopping).await,
+    }
+}
+
+/// Serves an HTTP/2 connection with hyper until it ends; at shutdown it
+/// finishes the streams it has open and takes no more.
+async fn serve_h2<S>(stream: Rewind<S>, gateway: Arc<ArcSwap<Gateway>>, peer: Peer, stopping: CancellationToken)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let service = service_fn(move |request: http::Request<hyper::body::Incoming>| {
+        let gateway = gateway.load_full();
+        async move { Ok::<_, Infallible>(gateway.handle(request.map(ClientBody::H2), peer).await) }
+    });
+    let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(connection);
+    let result = tokio::select! {
+        result = connection.as_mut() => result,
+        () = stopping.cancelled() => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    };
+    if let Err(error) = result {
+        tracing::debug!(%error, "connection ended with an error");
+    }
+}
+
+/// A stream with bytes already read from it put back in front.
+struct Rewind<S> {
+    read: Bytes,
+    stream: S,
+}
+
+impl<S> Rewind<S> {
+    fn new(read: Bytes, stream: S) -> Rewind<S> {
+        Rewind { read, stream }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        if !self.read.is_empty() {
+            let n = self.read.len().min(buf.remaining());
+            buf.put_slice(&self.read[..n]);
+            self.read.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
     }
 }

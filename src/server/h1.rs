@@ -1,0 +1,924 @@
+//! The HTTP/1.1 listener: one task per connection that parses each request
+//! head, hands the request to the gateway, and writes the answer.
+//!
+//! It does what hyper's HTTP/1 server did for idemgate with less work per
+//! request: the head is parsed once into a shared buffer the header values
+//! point into, a body that came with its head is handed over whole, and an
+//! answer whose body is ready goes out in the same write as its head.
+//!
+//! What it guarantees, as a server in front of an unmodified backend must:
+//!
+//! - framing by RFC 9112 §6: `Transfer-Encoding` with `Content-Length`,
+//!   conflicting lengths, a transfer coding other than a final `chunked`,
+//!   or any transfer coding on HTTP/1.0 is refused with 400 and the
+//!   connection closed, so no request can be smuggled past the gateway;
+//! - a head must arrive within `header_read_timeout` (an idle keep-alive
+//!   connection too), and an answer the client stops reading is cut off
+//!   after as long without progress;
+//! - `Expect: 100-continue` is answered only when the body is wanted; a
+//!   request whose body was not read to its end closes its connection;
+//! - a client that hangs up cancels its request, as with hyper (a claimed
+//!   exchange runs in a task of its own and is not cancelled with it);
+//! - pipelined requests are answered in order;
+//! - a connection that opens with the HTTP/2 preface is handed back to the
+//!   caller, which serves it with hyper (h2c with prior knowledge).
+
+use std::future::Future;
+use std::io;
+use std::mem::MaybeUninit;
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http_body::Body;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::time::{Instant, Sleep};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+use crate::proxy::{ClientBody, Feed, Gateway, Peer, Problem, ResponseBody};
+use crate::wire::{self, Chunked, MAX_HEAD, MAX_HEADERS};
+
+/// What a client must send first to speak HTTP/2 without TLS.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// Bytes read from the client at a time, at least.
+const READ_CHUNK: usize = 8 * 1024;
+/// Response bytes gathered before a write, at most; a body frame larger
+/// than this is written on its own rather than copied.
+const WRITE_GATHER: usize = 64 * 1024;
+/// How long a refused client's further bytes are read and dropped before
+/// its connection closes.
+const LINGER: Duration = Duration::from_millis(500);
+
+/// How an HTTP/1.1 connection ended.
+pub enum Ended<S> {
+    /// Closed: by either side, a timeout, an error or shutdown.
+    Closed,
+    /// It opened with the HTTP/2 preface: the stream and what was read.
+    Http2(S, Bytes),
+}
+
+/// Serves one connection until it closes or `shutdown` is cancelled (an
+/// idle connection closes then; a busy one after its answer).
+pub async fn serve<S>(
+    io: S,
+    gateway: Arc<ArcSwap<Gateway>>,
+    peer: Peer,
+    header_read_timeout: Duration,
+    shutdown: CancellationToken,
+) -> Ended<S>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let mut conn = Connection {
+        io,
+        rbuf: BytesMut::new(),
+        wbuf: Vec::new(),
+        timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
+        timeout: header_read_timeout,
+        shutdown: Box::pin(shutdown.clone().cancelled_owned()),
+    };
+    let mut first = true;
+    loop {
+        let head = match conn.read_head(first).await {
+            Ok(Read::Head(head)) => head,
+            Ok(Read::Http2) => return Ended::Http2(conn.io, conn.rbuf.freeze()),
+            Ok(Read::Closed) => return Ended::Closed,
+            Err(refusal) => {
+                let _ = conn.refuse(refusal).await;
+                return Ended::Closed;
+            }
+        };
+        first = false;
+        let Head {
+            request,
+            framing,
+            mut keep_alive,
+            expect_continue,
+        } = head;
+        let head_only = request.method == Method::HEAD;
+        let version = request.version;
+
+        // The body: whole when it came with the head, else fed as it is read.
+        let (body, feed) = match framing {
+            BodyFraming::Length(0) => (ClientBody::Whole(None), None),
+            BodyFraming::Length(n) if n <= conn.rbuf.len() as u64 => {
+                (ClientBody::whole(conn.rbuf.split_to(n as usize).freeze()), None)
+            }
+            framing => {
+                let length = match framing {
+                    BodyFraming::Length(n) => Some(n),
+                    BodyFraming::Chunked => None,
+                };
+                let (feed, body) = ClientBody::feed(length, expect_continue && conn.rbuf.is_empty());
+                (body, Some((feed, framing)))
+            }
+        };
+        if request.method == Method::CONNECT {
+            // No tunnels: answered like any request, then closed.
+            keep_alive = false;
+        }
+        let request = request.into_request(body);
+
+        // The gateway's answer, while the body is fed and the connection is
+        // watched for a hang-up.
+        let mut settled = feed.is_none();
+        let response = {
+            let gateway = gateway.load_full();
+            let answer = pin!(gateway.handle(request, peer));
+            let watch = pin!(conn.feed_then_watch(feed, &mut settled));
+            match futures_util::future::select(answer, watch).await {
+                futures_util::future::Either::Left((response, _)) => response,
+                // The client hung up: the request is cancelled with it.
+                futures_util::future::Either::Right(((), _)) => return Ended::Closed,
+            }
+        };
+        // A body not read to its end leaves the connection mid-message: it
+        // cannot carry another request.
+        keep_alive &= settled;
+        if shutdown.is_cancelled() {
+            keep_alive = false;
+        }
+        let answered = conn.answer(response, version, head_only, &mut keep_alive).await;
+        if answered.is_err() || !keep_alive {
+            conn.close(answered.is_ok() && !settled).await;
+            return Ended::Closed;
+        }
+    }
+}
+
+/// A request as parsed from its head, before its body is known.
+struct Parsed {
+    method: Method,
+    uri: Uri,
+    version: Version,
+    headers: HeaderMap,
+}
+
+impl Parsed {
+    fn into_request(self, body: ClientBody) -> Request<ClientBody> {
+        let mut request = Request::new(body);
+        *request.method_mut() = self.method;
+        *request.uri_mut() = self.uri;
+        *request.version_mut() = self.version;
+        *request.headers_mut() = self.headers;
+        request
+    }
+}
+
+enum BodyFraming {
+    Length(u64),
+    Chunked,
+}
+
+struct Head {
+    request: Parsed,
+    framing: BodyFraming,
+    keep_alive: bool,
+    expect_continue: bool,
+}
+
+// Returned once per request and taken apart at once: boxing the head would
+// cost an allocation for nothing.
+#[allow(clippy::large_enum_variant)]
+enum Read {
+    Head(Head),
+    Http2,
+    Closed,
+}
+
+/// A head that cannot be served: answered, then the connection closed.
+#[derive(Debug)]
+enum Refusal {
+    BadRequest(&'static str),
+    HeadTooLarge,
+}
+
+struct Connection<S> {
+    io: S,
+    /// Bytes read and not yet used: the next head, or a body's start.
+    rbuf: BytesMut,
+    /// The answer being gathered for one write.
+    wbuf: Vec<u8>,
+    /// The deadline of the current wait for a head or for write progress.
+    timer: Pin<Box<Sleep>>,
+    timeout: Duration,
+    shutdown: Pin<Box<WaitForCancellationFutureOwned>>,
+}
+
+/// What one wait on the connection produced.
+enum Wait {
+    Read(usize),
+    TimedOut,
+    Shutdown,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
+    /// Room for a read, topped up only when little is left, so small
+    /// requests share one allocation.
+    fn make_room(&mut self) {
+        if self.rbuf.capacity() - self.rbuf.len() < 1024 {
+            self.rbuf.reserve(READ_CHUNK);
+        }
+    }
+
+    /// Reads into the buffer. The deadline is set (and the timer armed)
+    /// only when a read first has to wait; shutdown interrupts the wait only
+    /// while `idle`.
+    async fn fill(&mut self, idle: bool, deadline: &mut Option<Instant>) -> io::Result<Wait> {
+        self.make_room();
+        let mut armed = false;
+        std::future::poll_fn(|cx| {
+            match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf) {
+                Poll::Ready(Ok(n)) => return Poll::Ready(Ok(Wait::Read(n))),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {}
+            }
+            if idle && self.shutdown.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Ok(Wait::Shutdown));
+            }
+            if !armed {
+                let timeout = self.timeout;
+                self.timer
+                    .as_mut()
+                    .reset(*deadline.get_or_insert_with(|| Instant::now() + timeout));
+                armed = true;
+            }
+            match self.timer.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Ok(Wait::TimedOut)),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await
+    }
+
+    /// Reads the next request head; `Closed` when the client closed or went
+    /// quiet between requests, or the server is shutting down.
+    ///
+    /// The whole head must arrive within one `header_read_timeout`, counted
+    /// from when it was first waited for.
+    async fn read_head(&mut self, first: bool) -> Result<Read, Refusal> {
+        let mut deadline = None;
+        loop {
+            if !self.rbuf.is_empty() {
+                if first && self.rbuf.starts_with(H2_PREFACE) {
+                    return Ok(Read::Http2);
+                } else if first && self.rbuf.len() < H2_PREFACE.len() && H2_PREFACE.starts_with(&self.rbuf) {
+                    // Maybe the HTTP/2 preface: wait for all of it.
+                } else if let Some(head) = parse_head(&mut self.rbuf)? {
+                    return Ok(Read::Head(head));
+                } else if self.rbuf.len() > MAX_HEAD {
+                    return Err(Refusal::HeadTooLarge);
+                }
+            }
+            let idle = self.rbuf.is_empty();
+            match self.fill(idle, &mut deadline).await {
+                Ok(Wait::Read(n)) if n > 0 => {}
+                // Closed, even mid-head, timed out or shut down: nobody to answer.
+                Ok(_) | Err(_) => return Ok(Read::Closed),
+            }
+        }
+    }
+
+    /// Feeds the request body, if any, then watches the connection while
+    /// the answer is made: resolves only when the client hangs up. Bytes of
+    /// a pipelined next request are kept for later. `settled` is set once
+    /// the body has been read to its end.
+    async fn feed_then_watch(&mut self, feed: Option<(Feed, BodyFraming)>, settled: &mut bool) {
+        if let Some((feed, framing)) = feed {
+            match self.feed(feed, framing).await {
+                Fed::All => *settled = true,
+                // Unread or broken: there is nothing more to watch for; the
+                // connection closes after the answer.
+                Fed::Stopped => return std::future::pending().await,
+                Fed::Gone => return,
+            }
+        }
+        loop {
+            if self.rbuf.len() > MAX_HEAD {
+                // Enough read ahead; the head parser will judge it.
+                return std::future::pending().await;
+            }
+            self.make_room();
+            let read =
+                std::future::poll_fn(|cx| tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf))
+                    .await;
+            if !matches!(read, Ok(n) if n > 0) {
+                return;
+            }
+        }
+    }
+
+    /// Reads a body into `feed`, answering `100 Continue` first when the
+    /// body waits for demand.
+    async fn feed(&mut self, mut feed: Feed, framing: BodyFraming) -> Fed {
+        if let Some(wanted) = feed.wanted.take() {
+            if wanted.await.is_err() {
+                return Fed::Stopped;
+            }
+            if self.io.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await.is_err() || self.io.flush().await.is_err() {
+                return Fed::Gone;
+            }
+        }
+        let mut left = match framing {
+            BodyFraming::Length(n) => Some(n),
+            BodyFraming::Chunked => None,
+        };
+        let mut chunked = Chunked::Size;
+        loop {
+            // What the buffer holds of the body.
+            let item = match &mut left {
+                Some(0) => Some(Ok(None)),
+                Some(left) if !self.rbuf.is_empty() => {
+                    let n = (*left).min(self.rbuf.len() as u64);
+                    *left -= n;
+                    Some(Ok(Some(self.rbuf.split_to(n as usize).freeze())))
+                }
+                Some(_) => None,
+                None => match wire::next_chunk(&mut chunked, &mut self.rbuf) {
+                    Ok(Some(frame)) => match frame.into_data() {
+                        Ok(data) => Some(Ok(Some(data))),
+                        // Trailers are not passed on.
+                        Err(_) => continue,
+                    },
+                    Ok(None) if matches!(chunked, Chunked::Done) => Some(Ok(None)),
+                    Ok(None) => None,
+                    Err(why) => Some(Err(why)),
+                },
+            };
+            match item {
+                Some(Ok(item)) => {
+                    let end = item.is_none();
+                    if feed.items.send(Ok(item)).await.is_err() {
+                        return Fed::Stopped;
+                    }
+                    if end {
+                        return Fed::All;
+                    }
+                    continue;
+                }
+                Some(Err(why)) => {
+                    let _ = feed.items.send(Err(why.into())).await;
+                    return Fed::Stopped;
+                }
+                None => {}
+            }
+            self.make_room();
+            let read =
+                std::future::poll_fn(|cx| tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf))
+                    .await;
+            match read {
+                Ok(n) if n > 0 => {}
+                _ => {
+                    let _ = feed
+                        .items
+                        .send(Err("the client closed the connection mid-body".into()))
+                        .await;
+                    return Fed::Gone;
+                }
+            }
+        }
+    }
+
+    /// Writes `wbuf` out. Waiting longer than the timeout for the client to
+    /// take a byte is an error.
+    async fn flush(&mut self) -> io::Result<()> {
+        let mut written = 0;
+        let mut armed = false;
+        std::future::poll_fn(|cx| {
+            while written < self.wbuf.len() {
+                match Pin::new(&mut self.io).poll_write(cx, &self.wbuf[written..]) {
+                    Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                    Poll::Ready(Ok(n)) => {
+                        written += n;
+                        armed = false;
+                    }
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => return self.stalled(cx, &mut armed),
+                }
+            }
+            match Pin::new(&mut self.io).poll_flush(cx) {
+                Poll::Ready(result) => Poll::Ready(result),
+                Poll::Pending => self.stalled(cx, &mut armed),
+            }
+        })
+        .await?;
+        self.wbuf.clear();
+        Ok(())
+    }
+
+    /// A write is waiting on the client: pending until the timeout, counted
+    /// from when it started waiting.
+    fn stalled(&mut self, cx: &mut Context<'_>, armed: &mut bool) -> Poll<io::Result<()>> {
+        if !*armed {
+            self.timer.as_mut().reset(Instant::now() + self.timeout);
+            *armed = true;
+        }
+        match self.timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::ErrorKind::TimedOut.into())),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// Answers a head that cannot be served.
+    async fn refuse(&mut self, refusal: Refusal) -> io::Result<()> {
+        let response = match refusal {
+            Refusal::BadRequest(why) => Problem::BadRequest(why.into()).response(),
+            Refusal::HeadTooLarge => {
+                let mut response = Response::new(ResponseBody::empty());
+                *response.status_mut() = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+                response
+            }
+        };
+        self.answer(response, Version::HTTP_11, false, &mut false).await?;
+        self.close(true).await;
+        Ok(())
+    }
+
+    /// Closes the connection. With `linger`, what the client still sends
+    /// is read and dropped for a moment first, so closing with unread bytes
+    /// does not reset the connection before the client has read the answer.
+    async fn close(&mut self, linger: bool) {
+        if self.io.shutdown().await.is_err() || !linger {
+            return;
+        }
+        let _ = tokio::time::timeout(LINGER, async {
+            let mut sink = [0u8; 4096];
+            while matches!(self.io.read(&mut sink).await, Ok(n) if n > 0) {}
+        })
+        .await;
+    }
+
+    /// Writes `response`: the head, then the body as it comes, gathered into
+    /// as few writes as it allows. Clears `keep_alive` when the answer ends
+    /// the connection (close-delimited, or cut off).
+    async fn answer(
+        &mut self,
+        response: Response<ResponseBody>,
+        version: Version,
+        head_only: bool,
+        keep_alive: &mut bool,
+    ) -> io::Result<()> {
+        let (parts, mut body) = response.into_parts();
+        let status = parts.status;
+        let bodiless = head_only
+            || status.is_informational()
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED;
+        // The body's framing: its exact size when known, else the length the
+        // answer declares, else chunked (close-delimited for HTTP/1.0).
+        let exact = body.size_hint().exact();
+        let declared = || {
+            parts
+                .headers
+                .get(header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| wire::digits(v, 10))
+        };
+        let framing = if bodiless {
+            Out::None
+        } else if let Some(n) = exact.or_else(declared) {
+            Out::Length(n)
+        } else if version == Version::HTTP_11 {
+            Out::Chunked
+        } else {
+            *keep_alive = false;
+            Out::Close
+        };
+
+        let w = &mut self.wbuf;
+        w.extend_from_slice(b"HTTP/1.1 ");
+        w.extend_from_slice(status.as_str().as_bytes());
+        w.push(b' ');
+        w.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+        w.extend_from_slice(b"\r\n");
+        let mut has_date = false;
+        for (name, value) in &parts.headers {
+            // Framing and connection headers are this hop's to set; a
+            // bodiless answer keeps the length it declares (HEAD, 304).
+            if name == header::TRANSFER_ENCODING
+                || name == header::CONNECTION
+                || (name == header::CONTENT_LENGTH && !bodiless)
+            {
+                continue;
+            }
+            has_date |= name == header::DATE;
+            w.extend_from_slice(name.as_str().as_bytes());
+            w.extend_from_slice(b": ");
+            w.extend_from_slice(value.as_bytes());
+            w.extend_from_slice(b"\r\n");
+        }
+        if !has_date {
+            w.extend_from_slice(b"date: ");
+            date::now(w);
+            w.extend_from_slice(b"\r\n");
+        }
+        match framing {
+            Out::Length(n) => {
+                w.extend_from_slice(b"content-length: ");
+                w.extend_from_slice(itoa(n, &mut [0; 20]));
+                w.extend_from_slice(b"\r\n");
+            }
+            Out::Chunked => w.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+            Out::None | Out::Close => {}
+        }
+        if !*keep_alive {
+            w.extend_from_slice(b"connection: close\r\n");
+        } else if version == Version::HTTP_10 {
+            w.extend_from_slice(b"connection: keep-alive\r\n");
+        }
+        w.extend_from_slice(b"\r\n");
+        if bodiless {
+            drop(body);
+            return self.flush().await;
+        }
+
+        let mut left = match framing {
+            Out::Length(n) => Some(n),
+            _ => None,
+        };
+        loop {
+            // Take what is ready; write out what was gathered before waiting.
+            let frame = match std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
+                Poll::Ready(frame) => frame,
+                Poll::Pending => {
+                    self.flush().await?;
+                    std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+                }
+            };
+            let data = match frame {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => data,
+                    // Trailers are not passed on.
+                    Err(_) => continue,
+                },
+                None => break,
+                Some(Err(_)) => {
+                    // Cut off: what was sent stays short of its framing, and
+                    // the connection closes, so the client sees a broken
+                    // answer rather than a complete-looking one.
+                    *keep_alive = false;
+                    let _ = self.flush().await;
+                    return Err(io::ErrorKind::UnexpectedEof.into());
+                }
+            };
+            if data.is_empty() {
+                continue;
+            }
+            if let Some(left) = &mut left {
+                if data.len() as u64 > *left {
+                    *keep_alive = false;
+                    return Err(io::Error::other("the body is longer than its content-length"));
+                }
+                *left -= data.len() as u64;
+            }
+            self.gather(&data, matches!(framing, Out::Chunked)).await?;
+        }
+        if left.is_some_and(|left| left > 0) {
+            *keep_alive = false;
+            let _ = self.flush().await;
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        if matches!(framing, Out::Chunked) {
+            self.wbuf.extend_from_slice(b"0\r\n\r\n");
+        }
+        self.flush().await
+    }
+
+    /// Adds a data frame to the write buffer (a large one is written
+    /// straight after what is gathered, not copied).
+    async fn gather(&mut self, data: &Bytes, chunked: bool) -> io::Result<()> {
+        if chunked {
+            let mut hex = [0u8; 16];
+            self.wbuf.extend_from_slice(hex_len(data.len(), &mut hex));
+            self.wbuf.extend_from_slice(b"\r\n");
+        }
+        if data.len() <= WRITE_GATHER {
+            self.wbuf.extend_from_slice(data);
+        } else {
+            self.flush().await?;
+            let mut data = data.clone();
+            while !data.is_empty() {
+                let n = self.write_some(&data).await?;
+                let _ = data.split_to(n);
+            }
+        }
+        if chunked {
+            self.wbuf.extend_from_slice(b"\r\n");
+        }
+        if self.wbuf.len() >= WRITE_GATHER {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    /// One write of `data`, bounded like [`Connection::flush`].
+    async fn write_some(&mut self, data: &[u8]) -> io::Result<usize> {
+        let mut armed = false;
+        std::future::poll_fn(|cx| match Pin::new(&mut self.io).poll_write(cx, data) {
+            Poll::Ready(Ok(0)) => Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+            Poll::Ready(result) => Poll::Ready(result),
+            Poll::Pending => self.stalled(cx, &mut armed).map_ok(|()| 0),
+        })
+        .await
+    }
+}
+
+/// How an answer's body is framed on the wire.
+#[derive(Clone, Copy)]
+enum Out {
+    None,
+    Length(u64),
+    Chunked,
+    Close,
+}
+
+/// How feeding a body ended.
+enum Fed {
+    /// Read to its end.
+    All,
+    /// Not read to its end (unwanted, malformed): the connection must close
+    /// after the answer.
+    Stopped,
+    /// The client hung up.
+    Gone,
+}
+
+/// Parses a head from the front of `buf` and takes it out; `None` when the
+/// head is not complete yet.
+fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
+    let mut slots = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut parsed = httparse::Request::new(&mut []);
+    let length = match parsed.parse_with_uninit_headers(buf, &mut slots) {
+        Ok(httparse::Status::Complete(length)) if length > MAX_HEAD => return Err(Refusal::HeadTooLarge),
+        Ok(httparse::Status::Complete(length)) => length,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => return Err(Refusal::HeadTooLarge),
+        Err(_) => return Err(Refusal::BadRequest("the request head does not parse")),
+    };
+    let bad = Refusal::BadRequest;
+    let method = Method::from_bytes(parsed.method.unwrap_or("").as_bytes()).map_err(|_| bad("bad method"))?;
+    let version = if parsed.version == Some(1) {
+        Version::HTTP_11
+    } else {
+        Version::HTTP_10
+    };
+    // Offsets of the target and each header in the buffer, to slice them
+    // from the head once it is split off: no copies.
+    let base = buf.as_ptr() as usize;
+    let path = parsed.path.unwrap_or("");
+    let path_at = (path.as_ptr() as usize - base, path.len());
+    // (name start, name end, value start, value end); a head is at most
+    // a few times MAX_HEAD long, far below u32::MAX.
+    let mut offsets = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
+    let count = parsed.headers.len();
+    let at = |s: &[u8]| (s.as_ptr() as usize - base) as u32;
+    for (slot, h) in offsets.iter_mut().zip(parsed.headers.iter()) {
+        let (name, value) = (h.name.as_bytes(), h.value);
+        *slot = (
+            at(name),
+            at(name) + name.len() as u32,
+            at(value),
+            at(value) + value.len() as u32,
+        );
+    }
+    let head = buf.split_to(length).freeze();
+    let uri = Uri::from_maybe_shared(head.slice(path_at.0..path_at.0 + path_at.1))
+        .map_err(|_| bad("the request target is not valid"))?;
+    let mut headers = HeaderMap::with_capacity(count);
+    for &(name_start, name_end, start, end) in &offsets[..count] {
+        let name = HeaderName::from_bytes(&head[name_start as usize..name_end as usize])
+            .map_err(|_| bad("a header name is not valid"))?;
+        let value = HeaderValue::from_maybe_shared(head.slice(start as usize..end as usize))
+            .map_err(|_| bad("a header value is not valid"))?;
+        headers.append(name, value);
+    }
+    let (framing, keep_alive, expect_continue) = framing(&headers, version)?;
+    Ok(Some(Head {
+        request: Parsed {
+            method,
+            uri,
+            version,
+            headers,
+        },
+        framing,
+        keep_alive,
+        expect_continue,
+    }))
+}
+
+/// A request's body framing (RFC 9112 §6), whether the connection may
+/// carry another request, and whether the client waits for `100 Continue`.
+fn framing(headers: &HeaderMap, version: Version) -> Result<(BodyFraming, bool, bool), Refusal> {
+    let tokens = |name| wire::tokens(headers, name);
+    let connection = |token: &str| tokens(header::CONNECTION).any(|t| t.eq_ignore_ascii_case(token));
+    let keep_alive = if version == Version::HTTP_11 {
+        !headers.contains_key(header::CONNECTION) || !connection("close")
+    } else {
+        connection("keep-alive")
+    };
+    let expect_continue = version == Version::HTTP_11
+        && headers
+            .get(header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    let bad = Refusal::BadRequest;
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        if version != Version::HTTP_11 {
+            return Err(bad("HTTP/1.0 has no transfer codings"));
+        }
+        if headers.contains_key(header::CONTENT_LENGTH) {
+            return Err(bad("a request cannot have both transfer-encoding and content-length"));
+        }
+        if !tokens(header::TRANSFER_ENCODING)
+            .next_back()
+            .is_some_and(|t| t.eq_ignore_ascii_case("chunked"))
+        {
+            return Err(bad("the only transfer coding accepted is a final chunked"));
+        }
+        return Ok((BodyFraming::Chunked, keep_alive, expect_continue));
+    }
+    let length = wire::content_length(headers).map_err(bad)?;
+    Ok((BodyFraming::Length(length.unwrap_or(0)), keep_alive, expect_continue))
+}
+
+fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[at..];
+        }
+    }
+}
+
+fn hex_len(mut n: usize, buf: &mut [u8; 16]) -> &[u8] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = HEX[n % 16];
+        n /= 16;
+        if n == 0 {
+            return &buf[at..];
+        }
+    }
+}
+
+/// The `Date` header's value (RFC 9110 §5.6.7), rendered once a second per
+/// thread.
+mod date {
+    use std::cell::RefCell;
+    use std::time::{SystemTime, UNIX_EPOCH};
+
+    thread_local! {
+        static CACHE: RefCell<(u64, [u8; 29])> = const { RefCell::new((u64::MAX, [0; 29])) };
+    }
+
+    pub fn now(out: &mut Vec<u8>) {
+        let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        CACHE.with_borrow_mut(|(at, text)| {
+            if *at != secs {
+                *at = secs;
+                *text = render(secs);
+            }
+            out.extend_from_slice(text);
+        });
+    }
+
+    /// `Sun, 06 Nov 1994 08:49:37 GMT` for `secs` since the epoch.
+    pub fn render(secs: u64) -> [u8; 29] {
+        const DAYS: [&[u8; 3]; 7] = [b"Thu", b"Fri", b"Sat", b"Sun", b"Mon", b"Tue", b"Wed"];
+        const MONTHS: [&[u8; 3]; 12] = [
+            b"Jan", b"Feb", b"Mar", b"Apr", b"May", b"Jun", b"Jul", b"Aug", b"Sep", b"Oct", b"Nov", b"Dec",
+        ];
+        let days = secs / 86_400;
+        let rem = secs % 86_400;
+        // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+        let z = days as i64 + 719_468;
+        let era = z.div_euclid(146_097);
+        let doe = z - era * 146_097;
+        let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+        let mp = (5 * doy + 2) / 153;
+        let day = doy - (153 * mp + 2) / 5 + 1;
+        let month = if mp < 10 { mp + 3 } else { mp - 9 };
+        let year = yoe + era * 400 + i64::from(month <= 2);
+        let mut out = [0u8; 29];
+        let two = |n: u64| [b'0' + (n / 10 % 10) as u8, b'0' + (n % 10) as u8];
+        out[..3].copy_from_slice(DAYS[(days % 7) as usize]);
+        out[3..5].copy_from_slice(b", ");
+        out[5..7].copy_from_slice(&two(day as u64));
+        out[7] = b' ';
+        out[8..11].copy_from_slice(MONTHS[(month - 1) as usize]);
+        out[11] = b' ';
+        let year = year as u64;
+        out[12..14].copy_from_slice(&two(year / 100));
+        out[14..16].copy_from_slice(&two(year));
+        out[16] = b' ';
+        out[17..19].copy_from_slice(&two(rem / 3600));
+        out[19] = b':';
+        out[20..22].copy_from_slice(&two(rem / 60 % 60));
+        out[22] = b':';
+        out[23..25].copy_from_slice(&two(rem % 60));
+        out[25..29].copy_from_slice(b" GMT");
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(wire: &str) -> Result<Option<Head>, Refusal> {
+        parse_head(&mut BytesMut::from(wire))
+    }
+
+    #[test]
+    fn heads_parse_into_requests_without_copies_of_values() {
+        let mut buf = BytesMut::from(
+            &b"POST /v1/orders?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nX-A: 1\r\nX-A: 2\r\n\r\n{}"[..],
+        );
+        let head = parse_head(&mut buf).unwrap().unwrap();
+        assert_eq!(&buf[..], b"{}");
+        assert_eq!(head.request.method, Method::POST);
+        assert_eq!(head.request.uri.path(), "/v1/orders");
+        assert_eq!(head.request.uri.query(), Some("x=1"));
+        assert_eq!(head.request.headers.get_all("x-a").iter().count(), 2);
+        assert!(matches!(head.framing, BodyFraming::Length(2)));
+        assert!(head.keep_alive);
+        assert!(head.request.version == Version::HTTP_11);
+
+        assert!(parse("POST / HTTP/1.1\r\nHost: a\r\n").unwrap().is_none());
+    }
+
+    #[test]
+    fn framing_refuses_what_could_be_smuggled() {
+        for wire in [
+            "POST / HTTP/1.1\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n",
+            "POST / HTTP/1.1\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n",
+            "POST / HTTP/1.1\r\ncontent-length: +2\r\n\r\n",
+            "POST / HTTP/1.1\r\ncontent-length: 0x2\r\n\r\n",
+            "POST / HTTP/1.1\r\ncontent-length: 2,\r\n\r\n",
+            "POST / HTTP/1.1\r\ncontent-length: 2\u{a0}\r\n\r\n",
+            "POST / HTTP/1.1\r\ntransfer-encoding: chunked, gzip\r\n\r\n",
+            "POST / HTTP/1.1\r\ntransfer-encoding: identity\r\n\r\n",
+            "POST / HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n",
+            "POST / HTTP/1.1\r\nbad header\r\n\r\n",
+            "POST  HTTP/1.1\r\n\r\n",
+        ] {
+            assert!(matches!(parse(wire), Err(Refusal::BadRequest(_))), "{wire:?}");
+        }
+        // Repeats of one length are one length.
+        let h = parse("POST / HTTP/1.1\r\ncontent-length: 2, 2\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(matches!(h.framing, BodyFraming::Length(2)));
+        let h = parse("POST / HTTP/1.1\r\ntransfer-encoding: gzip, chunked\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(matches!(h.framing, BodyFraming::Chunked));
+    }
+
+    #[test]
+    fn keep_alive_and_expect_follow_the_version() {
+        let h = |wire: &str| parse(wire).unwrap().unwrap();
+        assert!(!h("GET / HTTP/1.1\r\nconnection: close\r\n\r\n").keep_alive);
+        assert!(h("GET / HTTP/1.1\r\nconnection: keep-alive, x-y\r\n\r\n").keep_alive);
+        assert!(!h("GET / HTTP/1.0\r\n\r\n").keep_alive);
+        assert!(h("GET / HTTP/1.0\r\nconnection: Keep-Alive\r\n\r\n").keep_alive);
+        assert!(h("POST / HTTP/1.1\r\nexpect: 100-Continue\r\ncontent-length: 1\r\n\r\n").expect_continue);
+        assert!(!h("POST / HTTP/1.0\r\nexpect: 100-continue\r\ncontent-length: 1\r\n\r\n").expect_continue);
+    }
+
+    #[test]
+    fn too_many_headers_is_431() {
+        let mut wire = String::from("GET / HTTP/1.1\r\n");
+        for i in 0..=MAX_HEADERS {
+            wire.push_str(&format!("x-{i}: 1\r\n"));
+        }
+        wire.push_str("\r\n");
+        assert!(matches!(parse(&wire), Err(Refusal::HeadTooLarge)));
+    }
+
+    #[test]
+    fn dates_render_as_imf_fixdate() {
+        assert_eq!(&date::render(784_111_777), b"Sun, 06 Nov 1994 08:49:37 GMT");
+        assert_eq!(&date::render(0), b"Thu, 01 Jan 1970 00:00:00 GMT");
+        assert_eq!(&date::render(951_782_400), b"Tue, 29 Feb 2000 00:00:00 GMT");
+        assert_eq!(&date::render(4_102_444_799), b"Thu, 31 Dec 2099 23:59:59 GMT");
+    }
+
+    #[test]
+    fn numbers_render() {
+        assert_eq!(itoa(0, &mut [0; 20]), b"0");
+        assert_eq!(itoa(u64::MAX, &mut [0; 20]), u64::MAX.to_string().as_bytes());
+        assert_eq!(hex_len(0, &mut [0; 16]), b"0");
+        assert_eq!(hex_len(0x1f2e, &mut [0; 16]), b"1f2e");
+    }
+}

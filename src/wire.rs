@@ -1,0 +1,189 @@
+//! HTTP/1.1 framing shared by the listener (`server::h1`) and the upstream
+//! client (`proxy::upstream`): head limits and the chunked coding.
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http_body::Frame;
+
+/// The largest head (start line and headers) accepted, and the largest
+/// trailer section.
+pub const MAX_HEAD: usize = 64 * 1024;
+/// The most header fields a head may have.
+pub const MAX_HEADERS: usize = 128;
+
+/// Where a chunked body is.
+pub enum Chunked {
+    Size,
+    Data(u64),
+    DataEnd,
+    /// The trailers so far, and how many bytes of them.
+    Trailers(HeaderMap, usize),
+    Done,
+}
+
+/// The next frame of a chunked body in `buf`, if it holds one; `None` when
+/// more bytes are needed or the body is done (the state says which).
+pub fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Frame<Bytes>>, &'static str> {
+    let bad = || "the chunked body is malformed";
+    loop {
+        match state {
+            Chunked::Size => {
+                let Some(end) = line_end(buf) else {
+                    return if buf.len() > 1024 { Err(bad()) } else { Ok(None) };
+                };
+                let line = std::str::from_utf8(&buf[..end]).map_err(|_| bad())?;
+                let size = digits(line.split(';').next().unwrap_or("").trim(), 16).ok_or_else(bad)?;
+                buf.advance(end + 2);
+                *state = if size == 0 {
+                    Chunked::Trailers(HeaderMap::new(), 0)
+                } else {
+                    Chunked::Data(size)
+                };
+            }
+            Chunked::Data(left) => {
+                if buf.is_empty() {
+                    return Ok(None);
+                }
+                let n = (*left).min(buf.len() as u64);
+                *left -= n;
+                let data = buf.split_to(n as usize).freeze();
+                if *left == 0 {
+                    *state = Chunked::DataEnd;
+                }
+                return Ok(Some(Frame::data(data)));
+            }
+            Chunked::DataEnd => {
+                if buf.len() < 2 {
+                    return Ok(None);
+                }
+                if &buf[..2] != b"\r\n" {
+                    return Err(bad());
+                }
+                buf.advance(2);
+                *state = Chunked::Size;
+            }
+            Chunked::Trailers(trailers, size) => {
+                let Some(end) = line_end(buf) else {
+                    return if *size + buf.len() > MAX_HEAD {
+                        Err(bad())
+                    } else {
+                        Ok(None)
+                    };
+                };
+                *size += end + 2;
+                if *size > MAX_HEAD || trailers.len() >= MAX_HEADERS {
+                    return Err("the trailers are too large");
+                }
+                if end == 0 {
+                    buf.advance(2);
+                    let trailers = std::mem::take(trailers);
+                    *state = Chunked::Done;
+                    return Ok((!trailers.is_empty()).then(|| Frame::trailers(trailers)));
+                }
+                let line = buf.split_to(end + 2).freeze();
+                let colon = line.iter().position(|b| *b == b':').ok_or_else(bad)?;
+                let name = HeaderName::from_bytes(&line[..colon]).map_err(|_| bad())?;
+                let value = line.slice(colon + 1..end);
+                let start = value.iter().take_while(|b| b.is_ascii_whitespace()).count();
+                let trimmed = value.slice(start..);
+                let value = HeaderValue::from_bytes(trimmed.trim_ascii_end()).map_err(|_| bad())?;
+                trailers.try_append(name, value).map_err(|_| bad())?;
+            }
+            Chunked::Done => return Ok(None),
+        }
+    }
+}
+
+/// The comma-separated tokens of every `name` field, trimmed, empty ones
+/// skipped.
+pub fn tokens(headers: &HeaderMap, name: HeaderName) -> impl DoubleEndedIterator<Item = &str> {
+    headers
+        .get_all(name)
+        .into_iter()
+        .flat_map(|v| v.to_str().unwrap_or("").split(','))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+}
+
+/// The `content-length` (RFC 9112 §6.3): repeats of one value are one
+/// value; differing, empty or malformed values (not ASCII digits) are
+/// errors, never read as no length.
+pub fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
+    let not_a_number = "content-length is not a number";
+    let mut length = None;
+    for value in headers.get_all(http::header::CONTENT_LENGTH) {
+        for value in value.to_str().map_err(|_| not_a_number)?.split(',') {
+            let value = digits(value.trim(), 10).ok_or(not_a_number)?;
+            if length.is_some_and(|l| l != value) {
+                return Err("conflicting content-length values");
+            }
+            length = Some(value);
+        }
+    }
+    Ok(length)
+}
+
+/// A number of only digits of `radix` (no sign, unlike `from_str_radix`).
+pub fn digits(text: &str, radix: u32) -> Option<u64> {
+    if text.is_empty() || !text.chars().all(|c| c.is_digit(radix)) {
+        return None;
+    }
+    u64::from_str_radix(text, radix).ok()
+}
+
+pub fn line_end(buf: &[u8]) -> Option<usize> {
+    buf.windows(2).position(|w| w == b"\r\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunks(wire: &[u8]) -> (Vec<u8>, Option<HeaderMap>, bool) {
+        let mut state = Chunked::Size;
+        let mut buf = BytesMut::from(wire);
+        let (mut data, mut trailers) = (Vec::new(), None);
+        while let Some(frame) = next_chunk(&mut state, &mut buf).unwrap() {
+            match frame.into_data() {
+                Ok(bytes) => data.extend_from_slice(&bytes),
+                Err(frame) => trailers = frame.into_trailers().ok(),
+            }
+        }
+        (data, trailers, matches!(state, Chunked::Done))
+    }
+
+    #[test]
+    fn chunked_bodies_decode_with_extensions_and_trailers() {
+        let (data, trailers, done) = chunks(b"5;ext=1\r\nhello\r\n1\r\n!\r\n0\r\nx-sum: 6 \r\n\r\n");
+        assert_eq!(data, b"hello!");
+        assert!(done);
+        assert_eq!(trailers.unwrap()["x-sum"], "6");
+
+        // Cut anywhere, it waits for more rather than failing.
+        let (data, _, done) = chunks(b"5\r\nhel");
+        assert_eq!(data, b"hel");
+        assert!(!done);
+    }
+
+    #[test]
+    fn trailers_are_bounded() {
+        let mut wire = b"0\r\n".to_vec();
+        for i in 0..MAX_HEADERS + 1 {
+            wire.extend_from_slice(format!("x-t{i}: 1\r\n").as_bytes());
+        }
+        let mut state = Chunked::Size;
+        let mut buf = BytesMut::from(&wire[..]);
+        assert!(next_chunk(&mut state, &mut buf).is_err());
+    }
+
+    #[test]
+    fn malformed_chunks_are_errors() {
+        let mut state = Chunked::Size;
+        let mut buf = BytesMut::from(&b"zz\r\n"[..]);
+        assert!(next_chunk(&mut state, &mut buf).is_err());
+        let mut state = Chunked::Size;
+        let mut buf = BytesMut::from(&b"1\r\nabc"[..]);
+        assert!(next_chunk(&mut state, &mut buf).unwrap().is_some());
+        assert!(next_chunk(&mut state, &mut buf).is_err());
+    }
+}

@@ -1,0 +1,210 @@
+//! The HTTP/1.1 listener on the wire: framing, keep-alive, pipelining,
+//! `Expect: 100-continue`, and the heads it refuses.
+
+mod support;
+
+use std::time::Duration;
+
+use support::{Proxy, Reply, TestClient, Upstream};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Sends `wire` and reads until the proxy closes the connection.
+async fn until_close(stream: &mut TcpStream, wire: &[u8]) -> String {
+    stream.write_all(wire).await.unwrap();
+    let mut seen = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut seen))
+        .await
+        .expect("the connection was left open")
+        .unwrap();
+    String::from_utf8_lossy(&seen).into_owned()
+}
+
+/// Reads until `seen` holds `want`.
+async fn read_until(stream: &mut TcpStream, want: &str) -> String {
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains(want) {
+        let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf))
+            .await
+            .unwrap_or_else(|_| panic!("no {want:?} in {:?}", String::from_utf8_lossy(&seen)))
+            .unwrap();
+        assert!(n > 0, "closed before {want:?}: {:?}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&seen).into_owned()
+}
+
+fn post(key: &str, body: &str, extra: &str) -> String {
+    format!(
+        "POST /v1/orders HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\ncontent-length: {}\r\n{extra}\r\n{body}",
+        body.len()
+    )
+}
+
+#[tokio::test]
+async fn pipelined_requests_are_answered_in_order() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let wire = [
+        post("p1", "{}", ""),
+        post("p2", "{}", ""),
+        post("p1", "{}", "connection: close\r\n"),
+    ]
+    .concat();
+    let seen = until_close(&mut stream, wire.as_bytes()).await;
+    let answers: Vec<&str> = seen.split("HTTP/1.1 ").skip(1).collect();
+    assert_eq!(answers.len(), 3, "{seen}");
+    assert!(
+        answers[0].starts_with("201") && answers[0].contains(r#""order":1"#),
+        "{seen}"
+    );
+    assert!(
+        answers[1].starts_with("201") && answers[1].contains(r#""order":2"#),
+        "{seen}"
+    );
+    // The third replays the first.
+    assert!(
+        answers[2].contains("idempotent-replayed: true") && answers[2].contains(r#""order":1"#),
+        "{seen}"
+    );
+    assert!(answers[2].contains("connection: close"), "{seen}");
+    assert_eq!(upstream.hits(), 2);
+}
+
+#[tokio::test]
+async fn http_1_0_closes_unless_kept_alive() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
+
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let seen = until_close(
+        &mut stream,
+        b"POST /v1/orders HTTP/1.0\r\nidempotency-key: old\r\ncontent-length: 2\r\n\r\n{}",
+    )
+    .await;
+    assert!(seen.starts_with("HTTP/1.1 201"), "{seen}");
+    assert!(seen.contains("content-length: "), "{seen}");
+
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let wire = b"GET /a HTTP/1.0\r\nconnection: keep-alive\r\n\r\n";
+    stream.write_all(wire).await.unwrap();
+    let first = read_until(&mut stream, "\r\n\r\n").await;
+    assert!(first.contains("connection: keep-alive"), "{first}");
+    let second = until_close(&mut stream, b"GET /b HTTP/1.0\r\n\r\n").await;
+    assert!(second.contains("HTTP/1.1 201"), "{second}");
+    assert_eq!(upstream.hits(), 3);
+}
+
+#[tokio::test]
+async fn expect_100_continue_is_answered_only_when_the_body_is_wanted() {
+    let upstream = Upstream::start(|hit, seen| Reply::status(201, &format!("{hit}:{}", seen.body.len()))).await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
+
+    // Wanted: 100 Continue, then the body, then the answer.
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    stream
+        .write_all(
+            b"POST /v1/orders HTTP/1.1\r\nhost: x\r\nidempotency-key: ex\r\nexpect: 100-continue\r\ncontent-length: 5\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let interim = read_until(&mut stream, "\r\n\r\n").await;
+    assert!(interim.starts_with("HTTP/1.1 100 Continue\r\n\r\n"), "{interim}");
+    stream.write_all(b"hello").await.unwrap();
+    let answer = read_until(&mut stream, "1:5").await;
+    assert!(answer.contains("HTTP/1.1 201"), "{answer}");
+
+    // Unwanted (no key): refused without 100 Continue, and closed, since the
+    // body was never read.
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let seen = until_close(
+        &mut stream,
+        b"POST /v1/orders HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 5\r\n\r\n",
+    )
+    .await;
+    assert!(seen.starts_with("HTTP/1.1 400"), "{seen}");
+    assert!(
+        seen.contains("key-missing") && seen.contains("connection: close"),
+        "{seen}"
+    );
+    assert!(!seen.contains("100 Continue"), "{seen}");
+    assert_eq!(upstream.hits(), 1);
+}
+
+#[tokio::test]
+async fn heads_that_could_smuggle_a_request_are_refused() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
+    for framing in [
+        "content-length: 2\r\ntransfer-encoding: chunked\r\n",
+        "content-length: 2\r\ncontent-length: 3\r\n",
+        "transfer-encoding: chunked, identity\r\n",
+        "content-length: -2\r\n",
+    ] {
+        let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+        let wire = format!(
+            "POST /v1/orders HTTP/1.1\r\nhost: x\r\nidempotency-key: s\r\n{framing}\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\n\r\n"
+        );
+        let seen = until_close(&mut stream, wire.as_bytes()).await;
+        assert!(seen.starts_with("HTTP/1.1 400"), "{framing:?}: {seen}");
+        assert!(seen.contains("application/problem+json"), "{seen}");
+        assert_eq!(seen.matches("HTTP/1.1").count(), 1, "{seen}");
+    }
+    assert_eq!(upstream.hits(), 0);
+}
+
+#[tokio::test]
+async fn oversized_heads_get_431() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
+    let proxy = Proxy::start(&upstream.url(), "").await;
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let wire = format!("GET / HTTP/1.1\r\nhost: x\r\nx-big: {}\r\n\r\n", "a".repeat(70 * 1024));
+    let seen = until_close(&mut stream, wire.as_bytes()).await;
+    assert!(seen.starts_with("HTTP/1.1 431"), "{seen}");
+
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let many: String = (0..200).map(|i| format!("x-{i}: 1\r\n")).collect();
+    let seen = until_close(&mut stream, format!("GET / HTTP/1.1\r\n{many}\r\n").as_bytes()).await;
+    assert!(seen.starts_with("HTTP/1.1 431"), "{seen}");
+    assert_eq!(upstream.hits(), 0);
+}
+
+#[tokio::test]
+async fn head_answers_keep_their_length_and_no_body() {
+    let upstream = Upstream::start(|_, _| Reply::status(200, "twelve bytes")).await;
+    let proxy = Proxy::start(&upstream.url(), "").await;
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    stream.write_all(b"HEAD /h HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+    let head = read_until(&mut stream, "\r\n\r\n").await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("content-length: 12\r\n"), "{head}");
+    assert!(head.contains("date: "), "{head}");
+    // No body followed: the next answer on the connection parses cleanly.
+    let next = until_close(&mut stream, b"GET /g HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await;
+    assert!(next.starts_with("HTTP/1.1 200"), "{next}");
+    assert!(next.ends_with("twelve bytes"), "{next}");
+}
+
+#[tokio::test]
+async fn a_chunked_body_is_the_same_request_as_its_length_framed_twin() {
+    let upstream = Upstream::start(|hit, seen| Reply::status(201, &format!("{hit}:{}", seen.body.len()))).await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    // Split across writes, so the body is fed as it arrives.
+    stream
+        .write_all(b"POST /v1/orders HTTP/1.1\r\nhost: x\r\nidempotency-key: ch\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n4\r\n{\"a\"")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let seen = until_close(&mut stream, b"\r\n3\r\n:1}\r\n0\r\n\r\n").await;
+    assert!(seen.starts_with("HTTP/1.1 201") && seen.ends_with("1:7"), "{seen}");
+
+    let replay = TestClient::default()
+        .post(&proxy.url("/v1/orders"), "ch", r#"{"a":1}"#)
+        .await;
+    assert!(replay.replayed());
+    assert_eq!(replay.text(), "1:7");
+    assert_eq!(upstream.hits(), 1);
+}
