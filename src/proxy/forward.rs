@@ -86,17 +86,21 @@ pub fn prepare(request: &mut Request<UpstreamBody>, upstream: &Uri, peer: Peer) 
     strip_hop_by_hop(headers);
     // Every earlier hop, from every X-Forwarded-For line, then this client;
     // one lookup of the name whether it is there or not.
-    let mut forwarded_for = String::with_capacity(64);
     let entry = headers.entry(X_FORWARDED_FOR.clone());
-    if let Entry::Occupied(earlier) = &entry {
-        let earlier = earlier.iter().filter_map(|v| v.to_str().ok()).map(str::trim);
-        for hop in earlier.filter(|v| !v.is_empty()) {
-            forwarded_for.push_str(hop);
-            forwarded_for.push_str(", ");
+    let value = match &entry {
+        Entry::Occupied(earlier) => {
+            let mut forwarded_for = String::with_capacity(64);
+            let earlier = earlier.iter().filter_map(|v| v.to_str().ok()).map(str::trim);
+            for hop in earlier.filter(|v| !v.is_empty()) {
+                forwarded_for.push_str(hop);
+                forwarded_for.push_str(", ");
+            }
+            push_ip(&mut forwarded_for, peer.addr.ip());
+            HeaderValue::from_str(&forwarded_for)
         }
-    }
-    push_ip(&mut forwarded_for, peer.addr.ip());
-    match (entry, HeaderValue::from_str(&forwarded_for)) {
+        Entry::Vacant(_) => Ok(client_address(peer.addr.ip())),
+    };
+    match (entry, value) {
         (Entry::Occupied(mut entry), Ok(value)) => drop(entry.insert_mult(value)),
         (Entry::Occupied(entry), Err(_)) => drop(entry.remove_entry_mult()),
         (Entry::Vacant(entry), Ok(value)) => drop(entry.insert(value)),
@@ -110,6 +114,27 @@ pub fn prepare(request: &mut Request<UpstreamBody>, upstream: &Uri, peer: Peer) 
         Some(host) => headers.insert(X_FORWARDED_HOST.clone(), host),
         None => headers.remove(&X_FORWARDED_HOST),
     };
+}
+
+/// `ip` as a header value, kept per thread for the next request from the
+/// same address (most come from a few: a load balancer, a sidecar), whose
+/// value is then a reference count rather than a new string.
+fn client_address(ip: IpAddr) -> HeaderValue {
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(IpAddr, HeaderValue)>> = const { std::cell::RefCell::new(None) };
+    }
+    LAST.with_borrow_mut(|last| {
+        if let Some((seen, value)) = last
+            && *seen == ip
+        {
+            return value.clone();
+        }
+        let mut text = String::with_capacity(15);
+        push_ip(&mut text, ip);
+        let value = HeaderValue::from_str(&text).expect("an address is a valid header value");
+        *last = Some((ip, value.clone()));
+        value
+    })
 }
 
 /// Appends `ip` as text; an IPv4 address, the common case, without the

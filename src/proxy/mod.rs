@@ -32,7 +32,7 @@ use tokio_util::task::TaskTracker;
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
 
-pub use body::{ClientBody, Feed, ResponseBody};
+pub use body::{BoxError, ClientBody, Feed, ResponseBody};
 pub use forward::Peer;
 pub use problem::Problem;
 
@@ -256,7 +256,7 @@ impl Gateway {
         // 4. Fingerprint and record key.
         let fingerprint = fingerprint::fingerprint(&policy.fingerprint, &parts, &body, json.as_ref());
         let record_key = key::record_key(&policy.scope, &parts.headers, &key);
-        Span::current().record("key", record_key.tag());
+        Span::current().record("key", record_key.tag().as_str());
         drop(json);
 
         // 5. Claim.
@@ -339,13 +339,21 @@ impl Gateway {
         let mut request = Request::from_parts(parts, Either::Left(Full::new(body)));
         forward::prepare(&mut request, upstream, peer);
         let headers = request.headers_mut();
-        headers.remove(&policy.key.header);
-        if let Some(name) = &policy.forward_key_header {
-            // Keys are visible ASCII, or hex when derived: always a valid value.
-            headers.insert(
-                name.clone(),
-                HeaderValue::from_str(&key).expect("keys are visible ASCII"),
-            );
+        // The usual case, the key forwarded under the header it came in,
+        // as sent: nothing to change.
+        let forwarded_as_sent = policy.forward_key_header.as_ref() == Some(&policy.key.header)
+            && headers
+                .get(&policy.key.header)
+                .is_some_and(|sent| sent.as_bytes() == key.as_bytes());
+        if !forwarded_as_sent {
+            headers.remove(&policy.key.header);
+            if let Some(name) = &policy.forward_key_header {
+                // Keys are visible ASCII, or hex when derived: always a valid value.
+                headers.insert(
+                    name.clone(),
+                    HeaderValue::from_str(&key).expect("keys are visible ASCII"),
+                );
+            }
         }
         exchange::run(
             &self.exchanges,

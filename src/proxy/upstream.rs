@@ -312,10 +312,17 @@ fn bodiless(method: &Method) -> bool {
     )
 }
 
+thread_local! {
+    /// The buffer request heads are written into, kept for the next one.
+    static HEAD_BUF: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
 /// The request line and headers, with `host` from the URI and the body's
-/// framing: `Some(length)`, or `None` for chunked.
+/// framing: `Some(length)`, or `None` for chunked. Written into this
+/// thread's head buffer: hand it back with [`reuse_head`].
 fn encode_head(parts: &http::request::Parts, authority: &Authority, length: Option<u64>) -> Vec<u8> {
-    let mut head = Vec::with_capacity(512);
+    let mut head = HEAD_BUF.take();
+    head.clear();
     head.extend_from_slice(parts.method.as_str().as_bytes());
     head.push(b' ');
     head.extend_from_slice(parts.uri.path_and_query().map_or("/", |p| p.as_str()).as_bytes());
@@ -342,6 +349,14 @@ fn encode_head(parts: &http::request::Parts, authority: &Authority, length: Opti
     head
 }
 
+/// Keeps a written head's buffer for the next request, unless a large
+/// body made it large.
+fn reuse_head(head: Vec<u8>) {
+    if head.capacity() <= 2 * COALESCE {
+        HEAD_BUF.set(head);
+    }
+}
+
 async fn write_request(
     conn: &mut Conn,
     parts: &http::request::Parts,
@@ -364,13 +379,13 @@ async fn write_request(
                 conn.stream.write_all(&head).await.map_err(io)?;
                 conn.stream.write_all(&bytes).await.map_err(io)?;
             }
+            reuse_head(head);
         }
         Either::Right(mut incoming) => {
             let length = incoming.size_hint().exact();
-            conn.stream
-                .write_all(&encode_head(parts, authority, length))
-                .await
-                .map_err(io)?;
+            let head = encode_head(parts, authority, length);
+            conn.stream.write_all(&head).await.map_err(io)?;
+            reuse_head(head);
             while let Some(frame) = incoming.frame().await {
                 let frame = frame.map_err(UpstreamError::RequestBody)?;
                 let Ok(data) = frame.into_data() else { continue };

@@ -136,7 +136,7 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
         Method::GET => match store.inspect(&record_key).await {
             Ok(None) => json(
                 StatusCode::NOT_FOUND,
-                serde_json::json!({ "record": record_key.tag(), "state": "absent" }),
+                serde_json::json!({ "record": record_key.tag().as_str(), "state": "absent" }),
             ),
             Ok(Some((record, left))) => {
                 let (state, status, body) = match &record {
@@ -151,7 +151,7 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
                     StatusCode::OK,
                     serde_json::json!({
                         "route": route,
-                        "record": record_key.tag(),
+                        "record": record_key.tag().as_str(),
                         "state": state,
                         "expires_in_ms": left.as_millis() as u64,
                         "status": status,
@@ -173,7 +173,7 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
                 let status = if purged { StatusCode::OK } else { StatusCode::NOT_FOUND };
                 json(
                     status,
-                    serde_json::json!({ "record": record_key.tag(), "purged": purged }),
+                    serde_json::json!({ "record": record_key.tag().as_str(), "purged": purged }),
                 )
             }
             Err(error) => text(

@@ -106,8 +106,27 @@ pub struct RecordKey(pub [u8; 32]);
 
 impl RecordKey {
     /// A short, non-reversible tag for logs: never the key itself.
-    pub fn tag(&self) -> String {
-        hex::encode(&self.0[..6])
+    pub fn tag(&self) -> Tag {
+        let mut hex = [0u8; 12];
+        hex::encode_to_slice(&self.0[..6], &mut hex).expect("12 hex digits for 6 bytes");
+        Tag(hex)
+    }
+}
+
+/// [`RecordKey::tag`]: twelve hex digits, made without allocating (a
+/// request's span records it whether or not anything logs).
+#[derive(Clone, Copy)]
+pub struct Tag([u8; 12]);
+
+impl Tag {
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.0).expect("hex digits")
+    }
+}
+
+impl fmt::Display for Tag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
