@@ -31,8 +31,7 @@ pub fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Fram
                 let Some(end) = line_end(buf) else {
                     return if buf.len() > 1024 { Err(bad()) } else { Ok(None) };
                 };
-                let line = std::str::from_utf8(&buf[..end]).map_err(|_| bad())?;
-                let size = digits(line.split(';').next().unwrap_or("").trim(), 16).ok_or_else(bad)?;
+                let size = chunk_size(&buf[..end]).ok_or_else(bad)?;
                 buf.advance(end + 2);
                 *state = if size == 0 {
                     Chunked::Trailers(HeaderMap::new(), 0)
@@ -92,6 +91,25 @@ pub fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Fram
             Chunked::Done => return Ok(None),
         }
     }
+}
+
+/// The size of a chunk-size line (without its CRLF), read strictly
+/// (RFC 9112 §7.1): hex digits, optional blanks, then nothing or an
+/// extension; no control characters anywhere, so a bare CR or LF never
+/// ends a line here that another parser would end elsewhere.
+fn chunk_size(line: &[u8]) -> Option<u64> {
+    if line.iter().any(|&b| (b < 0x20 && b != b'\t') || b == 0x7f) {
+        return None;
+    }
+    let hex = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    if hex == 0 || hex > 16 {
+        return None;
+    }
+    let rest = line[hex..].trim_ascii_start();
+    if !(rest.is_empty() || rest[0] == b';') {
+        return None;
+    }
+    u64::from_str_radix(std::str::from_utf8(&line[..hex]).ok()?, 16).ok()
 }
 
 /// The comma-separated tokens of every `name` field, trimmed, empty ones
@@ -173,6 +191,30 @@ mod tests {
         }
         let mut state = Chunked::Size;
         let mut buf = BytesMut::from(&wire[..]);
+        assert!(next_chunk(&mut state, &mut buf).is_err());
+    }
+
+    #[test]
+    fn chunk_size_lines_are_read_strictly() {
+        assert_eq!(chunk_size(b"1f"), Some(31));
+        assert_eq!(chunk_size(b"1f ;ext=\"a b\""), Some(31));
+        assert_eq!(chunk_size(b"0"), Some(0));
+        for bad in [
+            &b""[..],
+            b" 1",
+            b"1\n",
+            b"2;\nxx",
+            b"1\r",
+            b"+1",
+            b"1 x",
+            b"11111111111111111",
+            b"\xc2\xa01",
+        ] {
+            assert_eq!(chunk_size(bad), None, "{bad:?}");
+        }
+        // A bare LF inside what ends at CRLF is refused, not read around.
+        let mut state = Chunked::Size;
+        let mut buf = BytesMut::from(&b"2;\nxx\r\nab\r\n0\r\n\r\n"[..]);
         assert!(next_chunk(&mut state, &mut buf).is_err());
     }
 

@@ -208,3 +208,47 @@ async fn a_chunked_body_is_the_same_request_as_its_length_framed_twin() {
     assert_eq!(replay.text(), "1:7");
     assert_eq!(upstream.hits(), 1);
 }
+
+/// A client that closes its sending side is taken as gone once its last
+/// request has been read, as with hyper; the requests queued before that
+/// one are still answered.
+#[tokio::test]
+async fn a_half_close_behind_pipelined_requests_cancels_only_the_last() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(100))).await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let wire = [post("h1", "{}", ""), post("h2", "{}", "")].concat();
+    stream.write_all(wire.as_bytes()).await.unwrap();
+    stream.shutdown().await.unwrap();
+    let mut seen = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut seen))
+        .await
+        .expect("the connection was left open")
+        .unwrap();
+    let seen = String::from_utf8_lossy(&seen);
+    assert_eq!(seen.matches("HTTP/1.1 201").count(), 1, "{seen}");
+    assert!(seen.contains(r#""order":1"#), "{seen}");
+}
+
+#[tokio::test]
+async fn a_body_that_stops_coming_is_cut_off() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        &format!("[server]\nheader_read_timeout = \"300ms\"\n{}", support::ORDERS),
+    )
+    .await;
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let started = tokio::time::Instant::now();
+    let seen = until_close(
+        &mut stream,
+        b"POST /v1/orders HTTP/1.1\r\nhost: x\r\nidempotency-key: slow\r\ncontent-length: 10\r\n\r\n{}",
+    )
+    .await;
+    assert!(started.elapsed() >= Duration::from_millis(250));
+    assert!(
+        seen.starts_with("HTTP/1.1 400") && seen.contains("bad-request"),
+        "{seen}"
+    );
+    assert_eq!(upstream.hits(), 0);
+}

@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::{Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -50,9 +50,9 @@ const READ_CHUNK: usize = 8 * 1024;
 /// Response bytes gathered before a write, at most; a body frame larger
 /// than this is written on its own rather than copied.
 const WRITE_GATHER: usize = 64 * 1024;
-/// How long a refused client's further bytes are read and dropped before
-/// its connection closes.
-const LINGER: Duration = Duration::from_millis(500);
+/// How long a closing connection's further bytes are read and dropped (and
+/// its close waited for), at most.
+const LINGER: Duration = Duration::from_secs(2);
 
 /// How an HTTP/1.1 connection ended.
 pub enum Ended<S> {
@@ -78,6 +78,7 @@ where
         io,
         rbuf: BytesMut::new(),
         wbuf: Vec::new(),
+        sent: 0,
         timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
         timeout: header_read_timeout,
         shutdown: Box::pin(shutdown.clone().cancelled_owned()),
@@ -204,6 +205,8 @@ struct Connection<S> {
     rbuf: BytesMut,
     /// The answer being gathered for one write.
     wbuf: Vec<u8>,
+    /// How much of `wbuf` is written already.
+    sent: usize,
     /// The deadline of the current wait for a head or for write progress.
     timer: Pin<Box<Sleep>>,
     timeout: Duration,
@@ -299,8 +302,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             }
         }
         loop {
-            if self.rbuf.len() > MAX_HEAD {
-                // Enough read ahead; the head parser will judge it.
+            if !self.rbuf.is_empty() {
+                // A next request is here (pipelined): stop reading, as hyper
+                // does, so a client that sends its requests and then closes
+                // its side still gets every answer.
                 return std::future::pending().await;
             }
             self.make_room();
@@ -320,7 +325,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             if wanted.await.is_err() {
                 return Fed::Stopped;
             }
-            if self.io.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await.is_err() || self.io.flush().await.is_err() {
+            // Through the write buffer: if the answer comes before this is
+            // all out, the answer's write finishes it first.
+            self.wbuf.extend_from_slice(b"HTTP/1.1 100 Continue\r\n\r\n");
+            if self.flush().await.is_err() {
                 return Fed::Gone;
             }
         }
@@ -367,12 +375,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
                 }
                 None => {}
             }
-            self.make_room();
-            let read =
-                std::future::poll_fn(|cx| tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf))
-                    .await;
-            match read {
-                Ok(n) if n > 0 => {}
+            // A body must keep coming: no byte for the timeout ends it.
+            let mut deadline = None;
+            match self.fill(false, &mut deadline).await {
+                Ok(Wait::Read(n)) if n > 0 => {}
+                Ok(Wait::TimedOut) => {
+                    let _ = feed.items.send(Err("the client stopped sending its body".into())).await;
+                    return Fed::Stopped;
+                }
                 _ => {
                     let _ = feed
                         .items
@@ -386,15 +396,18 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
 
     /// Writes `wbuf` out. Waiting longer than the timeout for the client to
     /// take a byte is an error.
+    ///
+    /// How much is out is kept in the connection, so a flush dropped midway
+    /// (an interim `100 Continue` when the answer comes) is resumed, never
+    /// repeated, by the next.
     async fn flush(&mut self) -> io::Result<()> {
-        let mut written = 0;
         let mut armed = false;
         std::future::poll_fn(|cx| {
-            while written < self.wbuf.len() {
-                match Pin::new(&mut self.io).poll_write(cx, &self.wbuf[written..]) {
+            while self.sent < self.wbuf.len() {
+                match Pin::new(&mut self.io).poll_write(cx, &self.wbuf[self.sent..]) {
                     Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
                     Poll::Ready(Ok(n)) => {
-                        written += n;
+                        self.sent += n;
                         armed = false;
                     }
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
@@ -408,6 +421,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         })
         .await?;
         self.wbuf.clear();
+        self.sent = 0;
         Ok(())
     }
 
@@ -442,11 +456,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     /// Closes the connection. With `linger`, what the client still sends
     /// is read and dropped for a moment first, so closing with unread bytes
     /// does not reset the connection before the client has read the answer.
+    ///
+    /// Bounded: a TLS close waits for the client to take what is buffered,
+    /// which a client that stopped reading never does.
     async fn close(&mut self, linger: bool) {
-        if self.io.shutdown().await.is_err() || !linger {
-            return;
-        }
+        let linger = linger || !self.rbuf.is_empty();
         let _ = tokio::time::timeout(LINGER, async {
+            if self.io.shutdown().await.is_err() || !linger {
+                return;
+            }
             let mut sink = [0u8; 4096];
             while matches!(self.io.read(&mut sink).await, Ok(n) if n > 0) {}
         })
@@ -499,10 +517,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         let mut has_date = false;
         for (name, value) in &parts.headers {
             // Framing and connection headers are this hop's to set; a
-            // bodiless answer keeps the length it declares (HEAD, 304).
+            // bodiless answer keeps the length it declares (HEAD, 304; a
+            // 204 has none).
             if name == header::TRANSFER_ENCODING
                 || name == header::CONNECTION
-                || (name == header::CONTENT_LENGTH && !bodiless)
+                || (name == header::CONTENT_LENGTH && (!bodiless || status == StatusCode::NO_CONTENT))
             {
                 continue;
             }
@@ -547,7 +566,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
                 Poll::Ready(frame) => frame,
                 Poll::Pending => {
                     self.flush().await?;
-                    std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+                    self.next_frame(&mut body).await?
                 }
             };
             let data = match frame {
@@ -587,6 +606,32 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             self.wbuf.extend_from_slice(b"0\r\n\r\n");
         }
         self.flush().await
+    }
+
+    /// Waits for the body's next frame, watching the connection meanwhile:
+    /// a client that hangs up ends the answer (and drops the body, which
+    /// lets a pass-through upstream go).
+    async fn next_frame(
+        &mut self,
+        body: &mut ResponseBody,
+    ) -> io::Result<Option<Result<http_body::Frame<Bytes>, crate::proxy::BoxError>>> {
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(frame) = Pin::new(&mut *body).poll_frame(cx) {
+                return Poll::Ready(Ok(frame));
+            }
+            // Only while nothing is buffered: bytes of a next request stay
+            // for later, and then reading stops (see `feed_then_watch`).
+            if self.rbuf.is_empty() {
+                self.make_room();
+                match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf) {
+                    Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::ConnectionAborted.into())),
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Ready(Ok(_)) | Poll::Pending => {}
+                }
+            }
+            Poll::Pending
+        })
+        .await
     }
 
     /// Adds a data frame to the write buffer (a large one is written
@@ -689,9 +734,11 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
     let head = buf.split_to(length).freeze();
     let uri = Uri::from_maybe_shared(head.slice(path_at.0..path_at.0 + path_at.1))
         .map_err(|_| bad("the request target is not valid"))?;
-    let mut headers = HeaderMap::with_capacity(count);
+    // Room for the X-Forwarded-* headers the upstream request adds, so the
+    // map is not regrown on the way.
+    let mut headers = HeaderMap::with_capacity(count + 4);
     for &(name_start, name_end, start, end) in &offsets[..count] {
-        let name = HeaderName::from_bytes(&head[name_start as usize..name_end as usize])
+        let name = names::intern(&head[name_start as usize..name_end as usize])
             .map_err(|_| bad("a header name is not valid"))?;
         let value = HeaderValue::from_maybe_shared(head.slice(start as usize..end as usize))
             .map_err(|_| bad("a header value is not valid"))?;
@@ -709,6 +756,60 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
         keep_alive,
         expect_continue,
     }))
+}
+
+/// The header names this thread has seen lately, so a name that is not
+/// one of the standard ones (`idempotency-key`, on every request) is not
+/// allocated and lower-cased anew for each request.
+mod names {
+    use std::cell::RefCell;
+
+    use http::header::{HeaderName, InvalidHeaderName};
+
+    const SLOTS: usize = 64;
+
+    thread_local! {
+        static SEEN: RefCell<[Option<HeaderName>; SLOTS]> = const { RefCell::new([const { None }; SLOTS]) };
+    }
+
+    /// `HeaderName::from_bytes`, from a direct-mapped cache when it holds
+    /// the name (compared ignoring ASCII case, as names are; a name equal to
+    /// a valid one but for case is valid too).
+    pub fn intern(bytes: &[u8]) -> Result<HeaderName, InvalidHeaderName> {
+        let (Some(&first), Some(&last)) = (bytes.first(), bytes.last()) else {
+            return HeaderName::from_bytes(bytes);
+        };
+        let slot = (bytes.len() * 31 + usize::from(first | 0x20) * 7 + usize::from(last | 0x20)) % SLOTS;
+        SEEN.with_borrow_mut(|seen| {
+            if let Some(name) = &seen[slot]
+                && name.as_str().as_bytes().eq_ignore_ascii_case(bytes)
+            {
+                return Ok(name.clone());
+            }
+            let name = HeaderName::from_bytes(bytes)?;
+            seen[slot] = Some(name.clone());
+            Ok(name)
+        })
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn interned_names_are_the_names() {
+            for raw in ["Idempotency-Key", "idempotency-key", "Host", "x-a", "x-b", "X-A"] {
+                let name = intern(raw.as_bytes()).unwrap();
+                assert_eq!(name, HeaderName::from_bytes(raw.as_bytes()).unwrap());
+                assert_eq!(name.as_str(), raw.to_ascii_lowercase());
+            }
+            assert!(intern(b"bad name").is_err());
+            assert!(intern(b"").is_err());
+            // A cached name never vouches for a different one of its slot.
+            intern(b"x-a").unwrap();
+            assert!(intern(b"x\xff").is_err());
+        }
+    }
 }
 
 /// A request's body framing (RFC 9112 §6), whether the connection may
@@ -733,11 +834,14 @@ fn framing(headers: &HeaderMap, version: Version) -> Result<(BodyFraming, bool, 
         if headers.contains_key(header::CONTENT_LENGTH) {
             return Err(bad("a request cannot have both transfer-encoding and content-length"));
         }
-        if !tokens(header::TRANSFER_ENCODING)
-            .next_back()
-            .is_some_and(|t| t.eq_ignore_ascii_case("chunked"))
-        {
-            return Err(bad("the only transfer coding accepted is a final chunked"));
+        // Exactly `chunked`: another coding would reach the backend
+        // undeclared once this hop re-frames the body, and a value that is
+        // not text must not be read as nothing.
+        let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter().map(|v| v.to_str());
+        let only_chunked = matches!(codings.next(), Some(Ok(v)) if v.trim().eq_ignore_ascii_case("chunked"))
+            && codings.next().is_none();
+        if !only_chunked {
+            return Err(bad("the only transfer coding accepted is chunked"));
         }
         return Ok((BodyFraming::Chunked, keep_alive, expect_continue));
     }
@@ -867,6 +971,9 @@ mod tests {
             "POST / HTTP/1.1\r\ncontent-length: 2,\r\n\r\n",
             "POST / HTTP/1.1\r\ncontent-length: 2\u{a0}\r\n\r\n",
             "POST / HTTP/1.1\r\ntransfer-encoding: chunked, gzip\r\n\r\n",
+            "POST / HTTP/1.1\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
+            "POST / HTTP/1.1\r\ntransfer-encoding: chunked, chunked\r\n\r\n",
+            "POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\ntransfer-encoding: \u{a0}\r\n\r\n",
             "POST / HTTP/1.1\r\ntransfer-encoding: identity\r\n\r\n",
             "POST / HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n",
             "POST / HTTP/1.1\r\nbad header\r\n\r\n",
@@ -879,7 +986,7 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(matches!(h.framing, BodyFraming::Length(2)));
-        let h = parse("POST / HTTP/1.1\r\ntransfer-encoding: gzip, chunked\r\n\r\n")
+        let h = parse("POST / HTTP/1.1\r\ntransfer-encoding: Chunked\r\n\r\n")
             .unwrap()
             .unwrap();
         assert!(matches!(h.framing, BodyFraming::Chunked));
