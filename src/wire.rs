@@ -128,6 +128,13 @@ pub fn tokens(headers: &HeaderMap, name: HeaderName) -> impl DoubleEndedIterator
 /// errors, never read as no length.
 pub fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
     let not_a_number = "content-length is not a number";
+    let mut values = headers.get_all(http::header::CONTENT_LENGTH).into_iter();
+    // The usual case, one plain number, without splitting and trimming.
+    if let (Some(value), None) = (values.next(), values.next())
+        && let Some(length) = plain_number(value.as_bytes())
+    {
+        return Ok(Some(length));
+    }
     let mut length = None;
     for value in headers.get_all(http::header::CONTENT_LENGTH) {
         for value in value.to_str().map_err(|_| not_a_number)?.split(',') {
@@ -139,6 +146,15 @@ pub fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'static str> 
         }
     }
     Ok(length)
+}
+
+/// Up to 19 ASCII digits and nothing else, as a number (it cannot
+/// overflow).
+fn plain_number(text: &[u8]) -> Option<u64> {
+    if text.is_empty() || text.len() > 19 || !text.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(text.iter().fold(0, |n, d| n * 10 + u64::from(d - b'0')))
 }
 
 /// A number of only digits of `radix` (no sign, unlike `from_str_radix`).
@@ -192,6 +208,31 @@ mod tests {
         let mut state = Chunked::Size;
         let mut buf = BytesMut::from(&wire[..]);
         assert!(next_chunk(&mut state, &mut buf).is_err());
+    }
+
+    #[test]
+    fn content_lengths_are_one_number_or_an_error() {
+        let length = |values: &[&str]| {
+            let mut headers = HeaderMap::new();
+            for v in values {
+                headers.append(http::header::CONTENT_LENGTH, HeaderValue::from_str(v).unwrap());
+            }
+            content_length(&headers)
+        };
+        assert_eq!(length(&[]), Ok(None));
+        assert_eq!(length(&["42"]), Ok(Some(42)));
+        assert_eq!(length(&["18446744073709551615"]), Ok(Some(u64::MAX)));
+        assert_eq!(length(&["7, 7", "7"]), Ok(Some(7)));
+        for bad in [
+            &[""][..],
+            &["1x"],
+            &["-1"],
+            &["18446744073709551616"],
+            &["1", "2"],
+            &["1,"],
+        ] {
+            assert!(length(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

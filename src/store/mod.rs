@@ -300,11 +300,23 @@ impl StoreHandle {
         Ok(StoreHandle::new(store, config.timeout))
     }
 
+    /// `op`, bounded by the store timeout. The timer starts only when `op`
+    /// first has to wait: a memory store answers at once and never pays
+    /// for one.
     async fn deadline<T>(&self, op: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.timeout, op).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
-        }
+        let mut op = std::pin::pin!(op);
+        let mut timer = std::pin::pin!(None::<tokio::time::Sleep>);
+        std::future::poll_fn(|cx| {
+            if let std::task::Poll::Ready(result) = op.as_mut().poll(cx) {
+                return std::task::Poll::Ready(result);
+            }
+            if timer.is_none() {
+                timer.set(Some(tokio::time::sleep(self.timeout)));
+            }
+            let timer = timer.as_mut().as_pin_mut().expect("set above");
+            timer.poll(cx).map(|()| Err(StoreError::Timeout(self.timeout)))
+        })
+        .await
     }
 
     pub async fn claim(
