@@ -313,9 +313,17 @@ pub async fn run(tracker: &TaskTracker, exchange: Exchange) -> Response<Response
     let (reply, mut response) = oneshot::channel();
     // In the request's span, so its logs and outcome carry the route and key
     // wherever it ends up running.
+    // (When nothing records the span, the future is boxed as it is: the
+    // wrapper would only cost a copy of it.)
+    let span = Span::current();
+    let exchange: Pin<Box<dyn Future<Output = ()> + Send>> = if span.is_disabled() {
+        Box::pin(exchange.drive(reply))
+    } else {
+        Box::pin(exchange.drive(reply).instrument(span))
+    };
     let mut handoff = Handoff {
         tracker,
-        exchange: Some(Box::pin(exchange.drive(reply).instrument(Span::current()))),
+        exchange: Some(exchange),
     };
     let response = std::future::poll_fn(|cx| {
         if let Some(exchange) = &mut handoff.exchange {

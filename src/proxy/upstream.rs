@@ -436,15 +436,14 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                     // Offsets of each header in the buffer, to slice it
                     // once it is split off: no copy of the values.
                     let base = conn.buf.as_ptr() as usize;
-                    let offsets: Vec<(HeaderName, usize, usize)> = parsed
-                        .headers
-                        .iter()
-                        .map(|h| {
-                            let name = HeaderName::from_bytes(h.name.as_bytes())
-                                .map_err(|_| UpstreamError::Protocol("a header name is not valid"))?;
-                            Ok((name, h.value.as_ptr() as usize - base, h.value.len()))
-                        })
-                        .collect::<Result<_, UpstreamError>>()?;
+                    // (Sized up front: collecting through a Result cannot
+                    // know the length, and regrew the vector every time.)
+                    let mut offsets = Vec::with_capacity(parsed.headers.len());
+                    for h in parsed.headers.iter() {
+                        let name = HeaderName::from_bytes(h.name.as_bytes())
+                            .map_err(|_| UpstreamError::Protocol("a header name is not valid"))?;
+                        offsets.push((name, h.value.as_ptr() as usize - base, h.value.len()));
+                    }
                     let head = conn.buf.split_to(length).freeze();
                     let status = StatusCode::from_u16(code).map_err(|_| UpstreamError::Protocol("bad status"))?;
                     if status.is_informational() {
