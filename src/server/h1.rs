@@ -9,12 +9,13 @@
 //! What it guarantees, as a server in front of an unmodified backend must:
 //!
 //! - framing by RFC 9112 §6: `Transfer-Encoding` with `Content-Length`,
-//!   conflicting lengths, a transfer coding other than a final `chunked`,
-//!   or any transfer coding on HTTP/1.0 is refused with 400 and the
-//!   connection closed, so no request can be smuggled past the gateway;
+//!   conflicting or malformed lengths, any transfer coding but exactly
+//!   `chunked`, or any transfer coding on HTTP/1.0 is refused with 400 and
+//!   the connection closed, and chunk-size lines are read strictly, so no
+//!   request can be smuggled past the gateway;
 //! - a head must arrive within `header_read_timeout` (an idle keep-alive
-//!   connection too), and an answer the client stops reading is cut off
-//!   after as long without progress;
+//!   connection too); a body that stops arriving, and an answer the client
+//!   stops reading, are cut off after as long without progress;
 //! - `Expect: 100-continue` is answered only when the body is wanted; a
 //!   request whose body was not read to its end closes its connection;
 //! - a client that hangs up cancels its request, as with hyper (a claimed
