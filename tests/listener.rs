@@ -252,3 +252,31 @@ async fn a_body_that_stops_coming_is_cut_off() {
     );
     assert_eq!(upstream.hits(), 0);
 }
+
+/// An idle keep-alive connection closes `header_read_timeout` after its
+/// last answer: not earlier (the timer of an earlier wait), not never.
+#[tokio::test]
+async fn an_idle_connection_closes_a_timeout_after_its_last_answer() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
+    let proxy = Proxy::start(&upstream.url(), "[server]\nheader_read_timeout = \"400ms\"\n").await;
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    for path in ["/a", "/b", "/c"] {
+        stream
+            .write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        read_until(&mut stream, r#""order":"#).await;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // 250 ms of the 400 ms have passed since the last answer.
+    let started = tokio::time::Instant::now();
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut rest))
+        .await
+        .expect("the idle connection was left open")
+        .unwrap();
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(100), "closed early: {waited:?}");
+    assert!(waited < Duration::from_millis(1000), "{waited:?}");
+    assert!(rest.is_empty());
+}

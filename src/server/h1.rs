@@ -230,12 +230,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         }
     }
 
-    /// Reads into the buffer. The deadline is set (and the timer armed)
-    /// only when a read first has to wait; shutdown interrupts the wait only
-    /// while `idle`.
+    /// Reads into the buffer. The deadline is set only when a read first
+    /// has to wait; shutdown interrupts the wait only while `idle`.
+    ///
+    /// The timer is moved lazily: a keep-alive connection waits for a head
+    /// after every answer, and moving the timer each time would cost two
+    /// timer-wheel updates per request. Left at an earlier time, it wakes
+    /// the wait early, once, and is moved on then; only a later time than
+    /// the deadline is moved back at once.
     async fn fill(&mut self, idle: bool, deadline: &mut Option<Instant>) -> io::Result<Wait> {
         self.make_room();
-        let mut armed = false;
+        let mut due = None;
         std::future::poll_fn(|cx| {
             match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf) {
                 Poll::Ready(Ok(n)) => return Poll::Ready(Ok(Wait::Read(n))),
@@ -245,17 +250,21 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             if idle && self.shutdown.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(Ok(Wait::Shutdown));
             }
-            if !armed {
+            let due = *due.get_or_insert_with(|| {
                 let timeout = self.timeout;
-                self.timer
-                    .as_mut()
-                    .reset(*deadline.get_or_insert_with(|| Instant::now() + timeout));
-                armed = true;
+                let due = *deadline.get_or_insert_with(|| Instant::now() + timeout);
+                if self.timer.deadline() > due {
+                    self.timer.as_mut().reset(due);
+                }
+                due
+            });
+            while self.timer.as_mut().poll(cx).is_ready() {
+                if Instant::now() >= due {
+                    return Poll::Ready(Ok(Wait::TimedOut));
+                }
+                self.timer.as_mut().reset(due);
             }
-            match self.timer.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Ok(Wait::TimedOut)),
-                Poll::Pending => Poll::Pending,
-            }
+            Poll::Pending
         })
         .await
     }
