@@ -832,6 +832,14 @@ fn framing(headers: &HeaderMap, version: Version) -> Result<(BodyFraming, bool, 
     } else {
         connection("keep-alive")
     };
+    // RFC 9112 §3.2, as nginx: one Host on HTTP/1.1, never two.
+    let mut hosts = headers.get_all(header::HOST).iter();
+    if hosts.next().is_none() && version == Version::HTTP_11 {
+        return Err(Refusal::BadRequest("an HTTP/1.1 request needs a host header"));
+    }
+    if hosts.next().is_some() {
+        return Err(Refusal::BadRequest("a request has one host header, not more"));
+    }
     let expect_continue = version == Version::HTTP_11
         && headers
             .get(header::EXPECT)
@@ -949,8 +957,23 @@ mod date {
 mod tests {
     use super::*;
 
+    /// Parses `wire`, given a Host after its request line unless it has one.
     fn parse(wire: &str) -> Result<Option<Head>, Refusal> {
-        parse_head(&mut BytesMut::from(wire))
+        let wire = match wire.to_ascii_lowercase().contains("\r\nhost:") {
+            true => wire.to_owned(),
+            false => wire.replacen("\r\n", "\r\nhost: a\r\n", 1),
+        };
+        parse_head(&mut BytesMut::from(&wire[..]))
+    }
+
+    #[test]
+    fn http_1_1_needs_exactly_one_host() {
+        let refused = |wire: &str| matches!(parse_head(&mut BytesMut::from(wire)), Err(Refusal::BadRequest(_)));
+        assert!(refused("GET / HTTP/1.1\r\n\r\n"));
+        assert!(refused("GET / HTTP/1.1\r\nhost: a\r\nHost: b\r\n\r\n"));
+        assert!(refused("GET / HTTP/1.0\r\nhost: a\r\nhost: a\r\n\r\n"));
+        assert!(!refused("GET / HTTP/1.0\r\n\r\n"));
+        assert!(!refused("GET / HTTP/1.1\r\nhost: a\r\n\r\n"));
     }
 
     #[test]
