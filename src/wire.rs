@@ -102,14 +102,20 @@ fn chunk_size(line: &[u8]) -> Option<u64> {
         return None;
     }
     let hex = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
-    if hex == 0 || hex > 16 {
+    // Leading zeros are allowed, any number of them; the rest must fit.
+    let zeros = line[..hex]
+        .iter()
+        .take_while(|&&b| b == b'0')
+        .count()
+        .min(hex.saturating_sub(1));
+    if hex == 0 || hex - zeros > 16 {
         return None;
     }
     let rest = line[hex..].trim_ascii_start();
     if !(rest.is_empty() || rest[0] == b';') {
         return None;
     }
-    u64::from_str_radix(std::str::from_utf8(&line[..hex]).ok()?, 16).ok()
+    u64::from_str_radix(std::str::from_utf8(&line[zeros..hex]).ok()?, 16).ok()
 }
 
 /// The comma-separated tokens of every `name` field, trimmed, empty ones
@@ -240,6 +246,9 @@ mod tests {
         assert_eq!(chunk_size(b"1f"), Some(31));
         assert_eq!(chunk_size(b"1f ;ext=\"a b\""), Some(31));
         assert_eq!(chunk_size(b"0"), Some(0));
+        assert_eq!(chunk_size(b"000"), Some(0));
+        assert_eq!(chunk_size(b"00000000000000001f"), Some(31));
+        assert_eq!(chunk_size(b"ffffffffffffffff"), Some(u64::MAX));
         for bad in [
             &b""[..],
             b" 1",

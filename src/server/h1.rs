@@ -230,17 +230,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         }
     }
 
-    /// Reads into the buffer. The deadline is set only when a read first
-    /// has to wait; shutdown interrupts the wait only while `idle`.
-    ///
-    /// The timer is moved lazily: a keep-alive connection waits for a head
-    /// after every answer, and moving the timer each time would cost two
-    /// timer-wheel updates per request. Left at an earlier time, it wakes
-    /// the wait early, once, and is moved on then; only a later time than
-    /// the deadline is moved back at once.
+    /// Reads into the buffer. The deadline is set (and the timer armed)
+    /// only when a read first has to wait; shutdown interrupts the wait only
+    /// while `idle`.
     async fn fill(&mut self, idle: bool, deadline: &mut Option<Instant>) -> io::Result<Wait> {
         self.make_room();
-        let mut due = None;
+        let mut armed = false;
         std::future::poll_fn(|cx| {
             match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf) {
                 Poll::Ready(Ok(n)) => return Poll::Ready(Ok(Wait::Read(n))),
@@ -250,21 +245,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             if idle && self.shutdown.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(Ok(Wait::Shutdown));
             }
-            let due = *due.get_or_insert_with(|| {
+            if !armed {
                 let timeout = self.timeout;
-                let due = *deadline.get_or_insert_with(|| Instant::now() + timeout);
-                if self.timer.deadline() > due {
-                    self.timer.as_mut().reset(due);
-                }
-                due
-            });
-            while self.timer.as_mut().poll(cx).is_ready() {
-                if Instant::now() >= due {
-                    return Poll::Ready(Ok(Wait::TimedOut));
-                }
-                self.timer.as_mut().reset(due);
+                self.timer
+                    .as_mut()
+                    .reset(*deadline.get_or_insert_with(|| Instant::now() + timeout));
+                armed = true;
             }
-            Poll::Pending
+            match self.timer.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Ok(Wait::TimedOut)),
+                Poll::Pending => Poll::Pending,
+            }
         })
         .await
     }
@@ -777,6 +768,8 @@ mod names {
     use http::header::{HeaderName, InvalidHeaderName};
 
     const SLOTS: usize = 64;
+    /// The longest name kept.
+    const MAX_KEPT: usize = 64;
 
     thread_local! {
         static SEEN: RefCell<[Option<HeaderName>; SLOTS]> = const { RefCell::new([const { None }; SLOTS]) };
@@ -786,9 +779,14 @@ mod names {
     /// the name (compared ignoring ASCII case, as names are; a name equal to
     /// a valid one but for case is valid too).
     pub fn intern(bytes: &[u8]) -> Result<HeaderName, InvalidHeaderName> {
+        // Long names are not kept: a client cycling them would pin their
+        // buffers in the slots.
         let (Some(&first), Some(&last)) = (bytes.first(), bytes.last()) else {
             return HeaderName::from_bytes(bytes);
         };
+        if bytes.len() > MAX_KEPT {
+            return HeaderName::from_bytes(bytes);
+        }
         let slot = (bytes.len() * 31 + usize::from(first | 0x20) * 7 + usize::from(last | 0x20)) % SLOTS;
         SEEN.with_borrow_mut(|seen| {
             if let Some(name) = &seen[slot]
@@ -815,9 +813,13 @@ mod names {
             }
             assert!(intern(b"bad name").is_err());
             assert!(intern(b"").is_err());
-            // A cached name never vouches for a different one of its slot.
+            // A cached name never vouches for a different one of its slot
+            // ("x-a" and "x a" share one).
             intern(b"x-a").unwrap();
-            assert!(intern(b"x\xff").is_err());
+            assert!(intern(b"x a").is_err());
+            assert_eq!(intern(b"X-A").unwrap(), "x-a");
+            let long = "x".repeat(MAX_KEPT + 1);
+            assert_eq!(intern(long.as_bytes()).unwrap().as_str(), long);
         }
     }
 }

@@ -302,7 +302,9 @@ impl StoreHandle {
 
     /// `op`, bounded by the store timeout. The timer starts only when `op`
     /// first has to wait: a memory store answers at once and never pays
-    /// for one.
+    /// for one. (Unlike `tokio::time::timeout`, the timer is not polled
+    /// outside the task's cooperative budget: every store call waits on a
+    /// channel or a socket rather than spending the budget on each poll.)
     async fn deadline<T>(&self, op: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
         let mut op = std::pin::pin!(op);
         let mut timer = std::pin::pin!(None::<tokio::time::Sleep>);
