@@ -144,7 +144,7 @@ pub fn content_length(headers: &HeaderMap) -> Result<Option<u64>, &'static str> 
     let mut length = None;
     for value in headers.get_all(http::header::CONTENT_LENGTH) {
         for value in value.to_str().map_err(|_| not_a_number)?.split(',') {
-            let value = digits(value.trim(), 10).ok_or(not_a_number)?;
+            let value = digits(value.trim()).ok_or(not_a_number)?;
             if length.is_some_and(|l| l != value) {
                 return Err("conflicting content-length values");
             }
@@ -163,15 +163,15 @@ fn plain_number(text: &[u8]) -> Option<u64> {
     Some(text.iter().fold(0, |n, d| n * 10 + u64::from(d - b'0')))
 }
 
-/// A number of only digits of `radix` (no sign, unlike `from_str_radix`).
-pub fn digits(text: &str, radix: u32) -> Option<u64> {
-    if text.is_empty() || !text.chars().all(|c| c.is_digit(radix)) {
+/// A number of only decimal digits (no sign, unlike `str::parse`).
+fn digits(text: &str) -> Option<u64> {
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
-    u64::from_str_radix(text, radix).ok()
+    text.parse().ok()
 }
 
-pub fn line_end(buf: &[u8]) -> Option<usize> {
+fn line_end(buf: &[u8]) -> Option<usize> {
     buf.windows(2).position(|w| w == b"\r\n")
 }
 

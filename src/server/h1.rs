@@ -302,20 +302,23 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
                 Fed::Gone => return,
             }
         }
-        loop {
-            if !self.rbuf.is_empty() {
-                // A next request is here (pipelined): stop reading, as hyper
-                // does, so a client that sends its requests and then closes
-                // its side still gets every answer.
-                return std::future::pending().await;
-            }
-            self.make_room();
-            let read =
-                std::future::poll_fn(|cx| tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf))
-                    .await;
-            if !matches!(read, Ok(n) if n > 0) {
-                return;
-            }
+        std::future::poll_fn(|cx| self.poll_hung_up(cx)).await
+    }
+
+    /// Ready when the client has hung up (an EOF or an error), watched
+    /// while an answer is made. It reads only while nothing is buffered:
+    /// bytes of a next (pipelined) request stay for later, and reading then
+    /// stops, as hyper does, so a client that sends its requests and then
+    /// closes its side still gets every answer.
+    fn poll_hung_up(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if !self.rbuf.is_empty() {
+            return Poll::Pending;
+        }
+        self.make_room();
+        match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf) {
+            Poll::Ready(Ok(n)) if n > 0 => Poll::Pending,
+            Poll::Ready(_) => Poll::Ready(()),
+            Poll::Pending => Poll::Pending,
         }
     }
 
@@ -491,13 +494,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         // The body's framing: its exact size when known, else the length the
         // answer declares, else chunked (close-delimited for HTTP/1.0).
         let exact = body.size_hint().exact();
-        let declared = || {
-            parts
-                .headers
-                .get(header::CONTENT_LENGTH)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| wire::digits(v, 10))
-        };
+        let declared = || wire::content_length(&parts.headers).ok().flatten();
         let framing = if bodiless {
             Out::None
         } else if let Some(n) = exact.or_else(declared) {
@@ -620,17 +617,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             if let Poll::Ready(frame) = Pin::new(&mut *body).poll_frame(cx) {
                 return Poll::Ready(Ok(frame));
             }
-            // Only while nothing is buffered: bytes of a next request stay
-            // for later, and then reading stops (see `feed_then_watch`).
-            if self.rbuf.is_empty() {
-                self.make_room();
-                match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf) {
-                    Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::ConnectionAborted.into())),
-                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                    Poll::Ready(Ok(_)) | Poll::Pending => {}
-                }
-            }
-            Poll::Pending
+            self.poll_hung_up(cx)
+                .map(|()| Err(io::ErrorKind::ConnectionAborted.into()))
         })
         .await
     }
