@@ -11,7 +11,6 @@
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::task::Poll;
 use std::time::Duration;
 
@@ -28,10 +27,10 @@ use tokio_util::task::TaskTracker;
 use super::body::{BodySender, ResponseBody, UpstreamBody};
 use super::forward::strip_hop_by_hop;
 use super::problem::Problem;
-use super::upstream::UpstreamClient;
+use super::{Context, LiveRoute};
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
 use crate::store::{Fingerprint, Outcome, Owner, RecordKey, StoreHandle, StoredResponse};
-use crate::telemetry::{Metrics, Outcome as TelemetryOutcome, RouteCounters, error_chain};
+use crate::telemetry::{Outcome as TelemetryOutcome, error_chain};
 use tracing::{Instrument, Span};
 
 /// Frames buffered between the exchange task and the client connection.
@@ -40,13 +39,10 @@ const CHANNEL_FRAMES: usize = 16;
 /// Everything the claimed exchange needs, owned, so it can outlive the
 /// client's connection.
 pub struct Exchange {
-    pub store: StoreHandle,
-    pub client: UpstreamClient,
-    pub metrics: Arc<Metrics>,
-    /// The route's outcome counters: `forwarded` once the upstream answers,
-    /// `upstream_error` when it does not.
-    pub counters: Arc<RouteCounters>,
-    pub policy: Arc<Policy>,
+    pub context: Arc<Context>,
+    /// The route: its policy, and its outcome counters (`forwarded` once
+    /// the upstream answers, `upstream_error` when it does not).
+    pub route: Arc<LiveRoute>,
     pub key: RecordKey,
     pub fingerprint: Fingerprint,
     pub owner: Owner,
@@ -62,13 +58,13 @@ pub struct Exchange {
 /// Most exchanges end well within a third of the lease, so the renewal task
 /// is only spawned once one has run that long (see [`ClaimGuard::renewing`]).
 struct ClaimGuard {
-    store: StoreHandle,
+    /// The store, and the metrics the claim is counted in.
+    context: Arc<Context>,
     key: RecordKey,
     /// What the claim was made with; the completed record keeps it.
     fingerprint: Fingerprint,
     owner: Owner,
     lease: Duration,
-    metrics: Arc<Metrics>,
     /// When the lease began: renewals fall due a third of it on from here.
     claimed_at: Instant,
     renewal: Option<JoinHandle<()>>,
@@ -77,21 +73,19 @@ struct ClaimGuard {
 
 impl ClaimGuard {
     fn new(
-        store: StoreHandle,
+        context: Arc<Context>,
         key: RecordKey,
         fingerprint: Fingerprint,
         owner: Owner,
         lease: Duration,
-        metrics: Arc<Metrics>,
     ) -> ClaimGuard {
-        metrics.in_flight.fetch_add(1, Ordering::Relaxed);
+        context.metrics.claim_taken();
         ClaimGuard {
-            store,
+            context,
             key,
             fingerprint,
             owner,
             lease,
-            metrics,
             claimed_at: Instant::now(),
             renewal: None,
             settled: false,
@@ -108,7 +102,13 @@ impl ClaimGuard {
         if self.renewal.is_some() {
             return;
         }
-        let (store, key, owner, lease, every) = (self.store.clone(), self.key, self.owner, self.lease, self.every());
+        let (store, key, owner, lease, every) = (
+            self.context.store.clone(),
+            self.key,
+            self.owner,
+            self.lease,
+            self.every(),
+        );
         let first = self.claimed_at + every;
         self.renewal = Some(tokio::spawn(async move {
             let mut tick = tokio::time::interval_at(first, every);
@@ -152,10 +152,11 @@ impl ClaimGuard {
         self.settle();
         let started = Instant::now();
         let result = self
+            .context
             .store
             .complete(&self.key, &self.fingerprint, self.owner, outcome.clone(), ttl)
             .await;
-        self.metrics.store_latency.observe(started.elapsed());
+        self.context.metrics.store_latency.observe(started.elapsed());
         match result {
             Ok(true) => {}
             Ok(false) => tracing::warn!(key = %self.key.tag(), "lease lost: the record was not completed"),
@@ -164,7 +165,7 @@ impl ClaimGuard {
             Err(error) => {
                 tracing::error!(key = %self.key.tag(), %error, "completing the record failed; retrying");
                 tokio::spawn(retry_completion(
-                    self.store.clone(),
+                    self.context.store.clone(),
                     self.key,
                     self.fingerprint,
                     self.owner,
@@ -178,7 +179,7 @@ impl ClaimGuard {
 
     async fn release(mut self) {
         self.settle();
-        if let Err(error) = self.store.release(&self.key, self.owner).await {
+        if let Err(error) = self.context.store.release(&self.key, self.owner).await {
             tracing::warn!(key = %self.key.tag(), %error, "releasing the claim failed; its lease will run out");
         }
     }
@@ -186,14 +187,14 @@ impl ClaimGuard {
 
 impl Drop for ClaimGuard {
     fn drop(&mut self) {
-        self.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.context.metrics.claim_ended();
         if self.settled {
             return;
         }
         if let Some(renewal) = self.renewal.take() {
             renewal.abort();
         }
-        self.store.release_in_background(self.key, self.owner);
+        self.context.store.release_in_background(self.key, self.owner);
     }
 }
 
@@ -368,11 +369,8 @@ impl Drop for Handoff<'_> {
 impl Exchange {
     async fn drive(self, reply: oneshot::Sender<Response<ResponseBody>>) {
         let Exchange {
-            store,
-            client,
-            metrics,
-            counters,
-            policy,
+            context,
+            route,
             key,
             fingerprint,
             owner,
@@ -380,17 +378,18 @@ impl Exchange {
             timeout,
             client_timeout,
         } = self;
-        let mut guard = ClaimGuard::new(store, key, fingerprint, owner, policy.lock_timeout, metrics.clone());
+        let (policy, counters) = (&route.policy, &route.counters);
+        let mut guard = ClaimGuard::new(context.clone(), key, fingerprint, owner, policy.lock_timeout);
         // One clock reading for the lease, the deadline and the latency.
         let started = guard.claimed_at;
         let deadline = started + timeout;
         let sent = guard
             .renewing(std::pin::pin!(tokio::time::timeout_at(
                 deadline,
-                client.request(request)
+                context.client.request(request)
             )))
             .await;
-        metrics.upstream_latency.observe(started.elapsed());
+        context.metrics.upstream_latency.observe(started.elapsed());
         let response = match sent {
             Ok(Ok(response)) => {
                 counters.count(TelemetryOutcome::Forwarded);
@@ -406,14 +405,14 @@ impl Exchange {
             Ok(Err(error)) => {
                 counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(key = %key.tag(), error = %error_chain(&error), "upstream failed after the request was sent");
-                let problem = fail(guard, &policy, Failure::Broken).await;
+                let problem = fail(guard, policy, Failure::Broken).await;
                 let _ = reply.send(problem.response());
                 return;
             }
             Err(_) => {
                 counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(key = %key.tag(), "upstream timed out");
-                let problem = fail(guard, &policy, Failure::Timeout).await;
+                let problem = fail(guard, policy, Failure::Timeout).await;
                 let _ = reply.send(problem.response());
                 return;
             }
@@ -426,7 +425,7 @@ impl Exchange {
         // An answer that is not kept is recorded by a recorder that keeps nothing.
         let mut recorder = Recorder::new(if keep { limit } else { 0 });
         let status = head.status;
-        let headers = keep.then(|| stored_headers(&head.headers, &policy));
+        let headers = keep.then(|| stored_headers(&head.headers, policy));
 
         // Take the frames that have already arrived. When they are the
         // whole body (the common case for small answers), the record is
@@ -459,7 +458,7 @@ impl Exchange {
                 }
                 Some(Some(Err(error))) => {
                     tracing::warn!(key = %key.tag(), %error, "upstream body broke off");
-                    let problem = fail(guard, &policy, Failure::Broken).await;
+                    let problem = fail(guard, policy, Failure::Broken).await;
                     let _ = reply.send(problem.response());
                     return;
                 }
@@ -467,7 +466,7 @@ impl Exchange {
         }
         if whole && trailers.is_none() {
             early.iter().for_each(|data| recorder.push(data));
-            settle(guard, &policy, status, headers, recorder).await;
+            settle(guard, policy, status, headers, recorder).await;
             let body = match early.len() {
                 0 | 1 => early.pop().unwrap_or_default(),
                 _ => early.concat().into(),
@@ -497,13 +496,13 @@ impl Exchange {
                     Ok(Some(Ok(frame))) => frame,
                     Ok(Some(Err(error))) => {
                         tracing::warn!(key = %key.tag(), %error, "upstream body broke off");
-                        fail(guard, &policy, Failure::Broken).await;
+                        fail(guard, policy, Failure::Broken).await;
                         abort(relay.client, "the upstream response broke off").await;
                         return;
                     }
                     Err(_) => {
                         tracing::warn!(key = %key.tag(), "upstream body timed out");
-                        fail(guard, &policy, Failure::Timeout).await;
+                        fail(guard, policy, Failure::Timeout).await;
                         abort(relay.client, "the upstream response timed out").await;
                         return;
                     }
@@ -517,7 +516,7 @@ impl Exchange {
         let Relay {
             client, held, recorder, ..
         } = relay;
-        settle(guard, &policy, status, headers, recorder).await;
+        settle(guard, policy, status, headers, recorder).await;
         if let Some(tx) = client {
             let last = held.map(Frame::data).into_iter().chain(trailers.map(Frame::trailers));
             for frame in last {

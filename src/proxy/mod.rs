@@ -50,20 +50,31 @@ struct LiveRoute {
     counters: Arc<RouteCounters>,
 }
 
-/// One configuration, ready to serve: routes, store, upstream client.
-pub struct Gateway {
-    config: Arc<Config>,
-    routes: Vec<LiveRoute>,
-    passthrough: Arc<RouteCounters>,
+/// The store, upstream client and metrics, which every exchange holds.
+///
+/// Each worker thread builds its own gateway, so each has its own context
+/// and routes: an exchange references them with counts that stay in its
+/// core's cache. The handles inside are shared by every worker, and taking
+/// references to those for each request would pull their counts from core
+/// to core.
+struct Context {
     store: StoreHandle,
     client: UpstreamClient,
     metrics: Arc<Metrics>,
+}
+
+/// One configuration, ready to serve: routes, store, upstream client.
+pub struct Gateway {
+    config: Arc<Config>,
+    routes: Vec<Arc<LiveRoute>>,
+    passthrough: Arc<RouteCounters>,
+    context: Arc<Context>,
     exchanges: TaskTracker,
 }
 
 /// Where a request goes: through a route's idempotency, or straight on.
 enum Routed<'a> {
-    Idempotent(&'a LiveRoute, RouteMatch),
+    Idempotent(&'a Arc<LiveRoute>, RouteMatch),
     PassThrough(&'a Uri),
 }
 
@@ -95,18 +106,22 @@ impl Gateway {
         let routes = config
             .routes
             .iter()
-            .map(|route| LiveRoute {
-                route: route.clone(),
-                policy: Arc::new(route.policy.clone()),
-                counters: metrics.route(&route.name),
+            .map(|route| {
+                Arc::new(LiveRoute {
+                    route: route.clone(),
+                    policy: Arc::new(route.policy.clone()),
+                    counters: metrics.route(&route.name),
+                })
             })
             .collect();
         Ok(Gateway {
-            client: upstream::client(&config.upstream)?,
             passthrough: metrics.route(""),
             routes,
-            store,
-            metrics,
+            context: Arc::new(Context {
+                client: upstream::client(&config.upstream)?,
+                store,
+                metrics,
+            }),
             config,
             exchanges,
         })
@@ -117,7 +132,7 @@ impl Gateway {
     }
 
     pub fn store(&self) -> &StoreHandle {
-        &self.store
+        &self.context.store
     }
 
     /// Where route `route` keeps the record of `key` sent with these scope
@@ -188,7 +203,7 @@ impl Gateway {
 
     async fn idempotent(
         &self,
-        live: &LiveRoute,
+        live: &Arc<LiveRoute>,
         params: RouteMatch,
         request: Request<ClientBody>,
         peer: Peer,
@@ -265,7 +280,7 @@ impl Gateway {
         // Set when the key is first found in flight.
         let mut wait_until = None;
         let mut unsettled = Unsettled {
-            store: &self.store,
+            store: &self.context.store,
             key: record_key,
             owner,
             armed: true,
@@ -274,10 +289,11 @@ impl Gateway {
             unsettled.armed = true;
             let started = Instant::now();
             let claim = self
+                .context
                 .store
                 .claim(&record_key, &fingerprint, owner, policy.lock_timeout, refresh)
                 .await;
-            self.metrics.store_latency.observe(started.elapsed());
+            self.context.metrics.store_latency.observe(started.elapsed());
             if claim.is_ok() {
                 // Claimed: the exchange's guard takes over. Otherwise not ours.
                 unsettled.armed = false;
@@ -312,7 +328,7 @@ impl Gateway {
                     // From before the first claim, as the budget covers the claims too.
                     let wait_until = *wait_until.get_or_insert(started + policy.wait_timeout);
                     if policy.on_in_flight == OnInFlight::Wait && policy.mode == Mode::Enforce && now < wait_until {
-                        match self.store.wait(&record_key, wait_until - now).await {
+                        match self.context.store.wait(&record_key, wait_until - now).await {
                             Ok(()) => continue,
                             Err(error) => {
                                 // The store said another request holds the key:
@@ -358,11 +374,8 @@ impl Gateway {
         exchange::run(
             &self.exchanges,
             Exchange {
-                store: self.store.clone(),
-                client: self.client.clone(),
-                metrics: self.metrics.clone(),
-                counters: live.counters.clone(),
-                policy: policy.clone(),
+                context: self.context.clone(),
+                route: live.clone(),
                 key: record_key,
                 fingerprint,
                 owner,
@@ -440,8 +453,8 @@ impl Gateway {
         // Boxed: inline, the upstream request (~2 KB) would size the future
         // of every request, including the idempotent ones that reach this
         // path only to refuse or bypass.
-        let sent = tokio::time::timeout_at(deadline, Box::pin(self.client.request(request))).await;
-        self.metrics.upstream_latency.observe(started.elapsed());
+        let sent = tokio::time::timeout_at(deadline, Box::pin(self.context.client.request(request))).await;
+        self.context.metrics.upstream_latency.observe(started.elapsed());
         match sent {
             Ok(Ok(response)) => {
                 let (mut head, body) = response.into_parts();

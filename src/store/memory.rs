@@ -31,8 +31,22 @@ pub struct MemoryStore {
 }
 
 struct Shared {
-    shards: Box<[Mutex<Shard>]>,
+    shards: Box<[Padded<Mutex<Shard>>]>,
     budget_per_shard: usize,
+}
+
+/// A shard's lock and heads on cache lines of their own (128 bytes: the
+/// line and the one the CPU prefetches beside it), so workers on two cores
+/// using neighbouring shards do not pull each other's lines away.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
 }
 
 #[derive(Default)]
@@ -78,7 +92,7 @@ impl MemoryStore {
     /// A store that keeps at most about `max_memory` bytes of records.
     pub fn new(max_memory: u64) -> MemoryStore {
         let shared = Arc::new(Shared {
-            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            shards: (0..SHARDS).map(|_| Padded(Mutex::new(Shard::default()))).collect(),
             budget_per_shard: usize::try_from(max_memory).unwrap_or(usize::MAX) / SHARDS,
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {

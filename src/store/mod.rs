@@ -147,13 +147,23 @@ pub struct Fingerprint(pub [u8; 32]);
 pub struct Owner(pub u128);
 
 impl Owner {
-    /// A fresh token: a per-process random half and a counter.
+    /// A fresh token: a half of this thread's (the process's random number
+    /// plus the thread's own number, so no two threads share one) and the
+    /// thread's count. Unique within the process with no counter shared
+    /// between threads, whose cache line every request would pull to its
+    /// core.
     pub fn new() -> Owner {
         static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let nonce = *NONCE.get_or_init(|| RandomState::new().hash_one(std::process::id()));
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        Owner(((nonce as u128) << 64) | n as u128)
+        static THREADS: AtomicU64 = AtomicU64::new(0);
+        thread_local! {
+            static NEXT: std::cell::Cell<Option<(u64, u64)>> = const { std::cell::Cell::new(None) };
+        }
+        let (half, n) = NEXT.get().unwrap_or_else(|| {
+            let nonce = *NONCE.get_or_init(|| RandomState::new().hash_one(std::process::id()));
+            (nonce.wrapping_add(THREADS.fetch_add(1, Ordering::Relaxed)), 0)
+        });
+        NEXT.set(Some((half, n + 1)));
+        Owner(((half as u128) << 64) | n as u128)
     }
 }
 
@@ -405,4 +415,21 @@ pub enum OpenError {
     },
     #[error("cannot set up the Redis store")]
     Redis(#[source] StoreError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owners_are_unique_across_threads() {
+        let owners: Vec<Owner> = std::thread::scope(|scope| {
+            let threads: Vec<_> = (0..4)
+                .map(|_| scope.spawn(|| (0..1000).map(|_| Owner::new()).collect::<Vec<_>>()))
+                .collect();
+            threads.into_iter().flat_map(|t| t.join().unwrap()).collect()
+        });
+        let distinct: std::collections::HashSet<_> = owners.iter().collect();
+        assert_eq!(distinct.len(), owners.len());
+    }
 }

@@ -1,12 +1,61 @@
 //! Prometheus metrics: per-route outcome counters, latency histograms for
 //! the store and the upstream, and gauges. Labels carry route names and
 //! outcome names only, never keys or raw paths.
+//!
+//! Every request updates a dozen of them, from whichever worker thread
+//! serves it. Kept in one place, each update would pull the cache line from
+//! the other core first; so each metric keeps a slot per thread (see
+//! [`PerThread`]), and the exposition adds the slots up.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fmt::Write;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// Slots per metric. Threads take them in turn as they first count
+/// something, so the workers (one per core) have one each on machines of up
+/// to this many cores; past that, threads share slots, which stays correct.
+const SLOTS: usize = 16;
+
+/// A value per thread slot, each on cache lines of its own (128 bytes: the
+/// line and the one the CPU prefetches beside it).
+struct PerThread<T> {
+    slots: [Slot<T>; SLOTS],
+}
+
+#[repr(align(128))]
+#[derive(Default)]
+struct Slot<T>(T);
+
+impl<T: Default> Default for PerThread<T> {
+    fn default() -> Self {
+        PerThread {
+            slots: std::array::from_fn(|_| Slot::default()),
+        }
+    }
+}
+
+impl<T> PerThread<T> {
+    /// This thread's slot.
+    fn local(&self) -> &T {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        thread_local! {
+            static INDEX: Cell<usize> = const { Cell::new(usize::MAX) };
+        }
+        let mut index = INDEX.get();
+        if index == usize::MAX {
+            index = NEXT.fetch_add(1, Ordering::Relaxed) % SLOTS;
+            INDEX.set(index);
+        }
+        &self.slots[index].0
+    }
+
+    fn sum(&self, read: impl Fn(&T) -> u64) -> u64 {
+        self.slots.iter().map(|slot| read(&slot.0)).sum()
+    }
+}
 
 /// What became of one request, as counted in `idemgate_requests_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,24 +151,32 @@ impl Outcome {
 }
 
 /// The outcome counters of one route.
+#[derive(Default)]
 pub struct RouteCounters {
-    counts: [AtomicU64; Outcome::ALL.len()],
+    counts: PerThread<[AtomicU64; Outcome::ALL.len()]>,
 }
 
 impl RouteCounters {
     /// Counts `outcome`, and records it on the current request span.
     pub fn count(&self, outcome: Outcome) {
-        self.counts[outcome as usize].fetch_add(1, Ordering::Relaxed);
+        self.counts.local()[outcome as usize].fetch_add(1, Ordering::Relaxed);
         tracing::Span::current().record("outcome", outcome.name());
     }
 
     pub fn get(&self, outcome: Outcome) -> u64 {
-        self.counts[outcome as usize].load(Ordering::Relaxed)
+        self.counts
+            .sum(|counts| counts[outcome as usize].load(Ordering::Relaxed))
     }
 }
 
 /// A latency histogram with fixed buckets (seconds).
+#[derive(Default)]
 pub struct Histogram {
+    slots: PerThread<HistogramSlot>,
+}
+
+#[derive(Default)]
+struct HistogramSlot {
     buckets: [AtomicU64; BUCKETS.len()],
     count: AtomicU64,
     sum_micros: AtomicU64,
@@ -130,68 +187,69 @@ const BUCKETS: [f64; 12] = [
 ];
 
 impl Histogram {
-    fn new() -> Histogram {
-        Histogram {
-            buckets: Default::default(),
-            count: AtomicU64::new(0),
-            sum_micros: AtomicU64::new(0),
-        }
-    }
-
     pub fn observe(&self, elapsed: Duration) {
+        let slot = self.slots.local();
         let secs = elapsed.as_secs_f64();
         if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
-            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+            slot.buckets[i].fetch_add(1, Ordering::Relaxed);
         }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_micros.fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
+        slot.count.fetch_add(1, Ordering::Relaxed);
+        slot.sum_micros.fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
     }
 
+    /// The count, then the sum, read after the buckets: a scrape racing an
+    /// observation may see it in the count but not yet in a bucket, never
+    /// the other way round, so the buckets stay at or below `+Inf`.
     fn render(&self, name: &str, help: &str, out: &mut String) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
         let mut cumulative = 0;
-        for (bound, bucket) in BUCKETS.iter().zip(&self.buckets) {
-            cumulative += bucket.load(Ordering::Relaxed);
+        for (i, bound) in BUCKETS.iter().enumerate() {
+            cumulative += self.slots.sum(|slot| slot.buckets[i].load(Ordering::Relaxed));
             let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
         }
-        let count = self.count.load(Ordering::Relaxed);
+        let count = self
+            .slots
+            .sum(|slot| slot.count.load(Ordering::Relaxed))
+            .max(cumulative);
         let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let sum = self.slots.sum(|slot| slot.sum_micros.load(Ordering::Relaxed)) as f64 / 1e6;
         let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
     }
 }
 
 /// Every metric of the process. Survives configuration reloads.
+#[derive(Default)]
 pub struct Metrics {
     routes: Mutex<BTreeMap<String, Arc<RouteCounters>>>,
     pub store_latency: Histogram,
     pub upstream_latency: Histogram,
-    pub in_flight: AtomicI64,
-}
-
-impl Default for Metrics {
-    fn default() -> Self {
-        Metrics {
-            routes: Mutex::new(BTreeMap::new()),
-            store_latency: Histogram::new(),
-            upstream_latency: Histogram::new(),
-            in_flight: AtomicI64::new(0),
-        }
-    }
+    /// Claims taken less claims let go, per thread: a claim taken on one
+    /// thread may end on another, so only the sum means anything.
+    in_flight: PerThread<AtomicI64>,
 }
 
 impl Metrics {
+    pub fn claim_taken(&self) {
+        self.in_flight.local().fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn claim_ended(&self) {
+        self.in_flight.local().fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Claims held by this process.
+    pub fn claims_in_flight(&self) -> i64 {
+        self.in_flight
+            .slots
+            .iter()
+            .map(|slot| slot.0.load(Ordering::Relaxed))
+            .sum()
+    }
+
     /// The counters of route `name` (`""` for unmatched requests).
     pub fn route(&self, name: &str) -> Arc<RouteCounters> {
         let mut routes = self.routes.lock().unwrap_or_else(|p| p.into_inner());
-        routes
-            .entry(name.to_string())
-            .or_insert_with(|| {
-                Arc::new(RouteCounters {
-                    counts: Default::default(),
-                })
-            })
-            .clone()
+        routes.entry(name.to_string()).or_default().clone()
     }
 
     /// Prometheus text exposition format.
@@ -227,7 +285,7 @@ impl Metrics {
         let _ = writeln!(
             out,
             "# HELP idemgate_claims_in_flight Claims held by this process.\n# TYPE idemgate_claims_in_flight gauge\nidemgate_claims_in_flight {}",
-            self.in_flight.load(Ordering::Relaxed)
+            self.claims_in_flight()
         );
         if let Some(bytes) = stored_bytes {
             let _ = writeln!(
@@ -236,5 +294,55 @@ impl Metrics {
             );
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Counts made on many threads (more than there are slots, so some
+    /// share one) all reach the exposition, and a claim taken on one thread
+    /// and ended on another nets out.
+    #[test]
+    fn counts_from_every_thread_add_up() {
+        let metrics = Metrics::default();
+        let counters = metrics.route("orders");
+        std::thread::scope(|scope| {
+            for _ in 0..SLOTS + 3 {
+                scope.spawn(|| {
+                    for _ in 0..1000 {
+                        counters.count(Outcome::Forwarded);
+                        metrics.store_latency.observe(Duration::from_micros(300));
+                        metrics.claim_taken();
+                    }
+                });
+            }
+        });
+        std::thread::scope(|scope| {
+            scope.spawn(|| (0..(SLOTS + 3) * 1000).for_each(|_| metrics.claim_ended()));
+        });
+        let n = (SLOTS + 3) * 1000;
+        assert_eq!(counters.get(Outcome::Forwarded), n as u64);
+        let text = metrics.render(None);
+        assert!(
+            text.contains(&format!(
+                "idemgate_requests_total{{route=\"orders\",outcome=\"forwarded\"}} {n}"
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("idemgate_store_duration_seconds_bucket{{le=\"0.0005\"}} {n}")),
+            "{text}"
+        );
+        assert!(
+            text.contains("idemgate_store_duration_seconds_bucket{le=\"0.00025\"} 0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("idemgate_store_duration_seconds_count {n}")),
+            "{text}"
+        );
+        assert!(text.contains("idemgate_claims_in_flight 0"), "{text}");
     }
 }
