@@ -77,7 +77,7 @@ def main():
         conf = os.path.join(tmp, "idemgate.toml")
         with open(conf, "w") as f:
             f.write(bench.IDEMGATE.format(port=gate_port, backend=backend_port, store="memory",
-                                          store_extra='max_memory = "64MiB"'))
+                                          store_extra='max_memory = "64MiB"', server_extra=""))
         gate_ir, gate_n = instructions(procs, tmp, "idemgate", [bench.BINARY, "--config", conf], gate_port, script)
 
         print("| proxy | requests counted | instructions per request |")

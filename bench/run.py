@@ -13,6 +13,7 @@ Needs: wrk, nginx, redis-server (Debian packages) and a release build
 
     python3 bench/run.py                       # every scenario, 3 rounds of 10 s
     python3 bench/run.py --rounds 5 --duration 15 --scenarios memory-new,redis-new
+    python3 bench/run.py --workers 4           # idemgate with server.workers = 4
 """
 
 import argparse
@@ -120,6 +121,7 @@ IDEMGATE = """
 [server]
 listen = "127.0.0.1:{port}"
 admin_listen = ""
+{server_extra}
 [upstream]
 url = "http://127.0.0.1:{backend}"
 [store]
@@ -220,12 +222,18 @@ def measure(port, pids, script, args):
     return result
 
 
+def server_extra(args):
+    """The `[server]` lines the command line asks for."""
+    return f"workers = {args.workers}" if args.workers else ""
+
+
 def one_connection(procs, tmp, backend_port, nginx_port, script, args):
     """Median p50 over the rounds at one connection: direct, nginx, idemgate."""
     port = free_port()
     conf = os.path.join(tmp, "idemgate-latency.toml")
     with open(conf, "w") as f:
-        f.write(IDEMGATE.format(port=port, backend=backend_port, store="memory", store_extra='max_memory = "64MiB"'))
+        f.write(IDEMGATE.format(port=port, backend=backend_port, store="memory", store_extra='max_memory = "64MiB"',
+                                server_extra=server_extra(args)))
     gate = procs.start([BINARY, "--config", conf], env={**os.environ, "RUST_LOG": "warn"})
     wait_port(port)
     results = {"direct": [], "nginx": [], "idemgate": []}
@@ -242,6 +250,7 @@ def main():
     parser.add_argument("--duration", type=int, default=10, help="seconds per wrk run")
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="wrk threads")
+    parser.add_argument("--workers", type=int, help="idemgate's server.workers (default: its own default)")
     parser.add_argument("--scenarios",
                         default="memory-new,memory-replay,memory-paced,redis-new,embedded-new,memory1m-new,"
                                 "latency-1conn")
@@ -297,6 +306,7 @@ def main():
             conf = os.path.join(tmp, f"idemgate-{scenario}.toml")
             with open(conf, "w") as f:
                 f.write(IDEMGATE.format(port=port, backend=backend_port, store=store.removesuffix("1m"),
+                                        server_extra=server_extra(args),
                                         store_extra=extra))
             gate = procs.start([BINARY, "--config", conf], env={**os.environ, "RUST_LOG": "warn"})
             wait_port(port)
