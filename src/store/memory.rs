@@ -1,7 +1,7 @@
 //! The in-process store: sharded maps behind `std::sync::Mutex`es (never
 //! held across an `.await`), leases and TTLs as deadlines swept by a
 //! background task, and a byte budget that evicts the oldest completed
-//! records first (never an in-flight claim).
+//! records first, a few at a time (never an in-flight claim).
 //!
 //! The sweeper and the eviction read FIFO queues rather than sorted trees:
 //! deadlines set with one duration (a route's `ttl`, its `lock_timeout`)
@@ -22,6 +22,13 @@ use tokio::time::Instant;
 use super::{Claim, Fingerprint, KeyMap, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 
 const SHARDS: usize = 16;
+/// Records evicted together once a shard is over its budget, which then
+/// holds up to this many fewer. The oldest records sit in memory nothing
+/// has touched since they were written: looked up and dropped one by one,
+/// each waits on a chain of cache misses (its slot in the map, then its
+/// answer's count and header list); a batch's lookups, and then its first
+/// touches of the answers, run side by side.
+const EVICT_BATCH: usize = 8;
 /// Bytes a record costs besides its response: its map entries, the two
 /// ordering indexes and allocator slack, as measured under a new-key load.
 const OVERHEAD: usize = 1024;
@@ -246,20 +253,33 @@ impl Shard {
             .filter(|e| matches!(e.state, State::InFlight { owner: o, .. } if o == owner))
     }
 
-    /// Evicts the oldest completed records until the shard fits `budget`,
-    /// but never `newest`, the record just written: a record larger than
-    /// the budget stays, alone, rather than vanish as it is stored.
-    fn evict_to(&mut self, budget: usize, newest: &RecordKey) {
+    /// Evicts the oldest completed records, a batch at a time, until the
+    /// shard fits `budget`, but never `newest`, the record just written: a
+    /// record larger than the budget stays, alone, rather than vanish as it
+    /// is stored. The evicted entries go to `evicted`, to be dropped once
+    /// the shard's lock is let go (see [`drop_evicted`]).
+    fn evict_to(&mut self, budget: usize, newest: &RecordKey, evicted: &mut Vec<Entry>) {
         while self.bytes > budget {
-            let Some((order, key)) = self.completed.pop_front() else {
-                break;
-            };
-            if key == *newest {
-                self.completed.push_front((order, key));
+            let mut batch = [(0, RecordKey([0; 32])); EVICT_BATCH];
+            let mut taken = 0;
+            while taken < EVICT_BATCH
+                && let Some(&oldest) = self.completed.front()
+                && oldest.1 != *newest
+            {
+                self.completed.pop_front();
+                batch[taken] = oldest;
+                taken += 1;
+            }
+            if taken == 0 {
                 break;
             }
-            if self.is_completed(&key, order) {
-                self.remove(&key);
+            // Every lookup first, so their misses overlap; then the removals,
+            // which find the slots in the cache.
+            let current: [bool; EVICT_BATCH] =
+                std::array::from_fn(|i| i < taken && self.is_completed(&batch[i].1, batch[i].0));
+            evicted.reserve(taken);
+            for (&(_, key), _) in batch[..taken].iter().zip(current).filter(|(_, current)| *current) {
+                evicted.extend(self.remove(&key));
             }
         }
     }
@@ -328,7 +348,10 @@ impl Store for MemoryStore {
         shard.bytes += size;
         shard.set_deadline(key, now, ttl);
         let budget = self.shared.budget_per_shard;
-        shard.evict_to(budget, key);
+        let mut evicted = Vec::new();
+        shard.evict_to(budget, key, &mut evicted);
+        drop(shard);
+        drop_evicted(evicted);
         Ok(true)
     }
 
@@ -412,6 +435,27 @@ impl Store for MemoryStore {
     }
 }
 
+/// Drops evicted entries, after first reading each answer's count and then
+/// its first header: the loads of the whole batch overlap, where dropping
+/// each in turn would wait on its misses one after another.
+fn drop_evicted(evicted: Vec<Entry>) {
+    let answers = || {
+        evicted.iter().filter_map(|entry| match &entry.state {
+            State::Done {
+                outcome: Outcome::Response(answer),
+                ..
+            } => Some(answer),
+            _ => None,
+        })
+    };
+    let counts: usize = answers().map(Arc::strong_count).sum();
+    let headers: usize = answers()
+        .map(|answer| answer.headers.first().map_or(0, |(_, value)| value.len()))
+        .sum();
+    std::hint::black_box((counts, headers));
+    drop(evicted);
+}
+
 /// Removes entries whose deadline has passed, a bounded batch at a time so a
 /// shard's lock is never held for long. Stops when the store is dropped.
 async fn sweep(shared: Weak<Shared>) {
@@ -484,6 +528,42 @@ mod tests {
             store.claim(&in_flight, &fp, Owner(9), lease, None).await.unwrap(),
             Claim::InFlight { .. }
         ));
+    }
+
+    #[tokio::test]
+    async fn eviction_goes_a_batch_below_the_budget_at_most() {
+        // Twenty records of one shard fit its budget.
+        let size = outcome_size(&response(100));
+        let store = MemoryStore::new((SHARDS * size * 20) as u64);
+        let fp = Fingerprint([0; 32]);
+        let keys = (0..u32::MAX)
+            .map(|i| {
+                let mut k = [0u8; 32];
+                k[..4].copy_from_slice(&i.to_be_bytes());
+                RecordKey(k)
+            })
+            .filter(|k| shard_of(k) == 3);
+        for (i, key) in keys.take(100).enumerate() {
+            let owner = Owner(i as u128);
+            store
+                .claim(&key, &fp, owner, Duration::from_secs(30), None)
+                .await
+                .unwrap();
+            assert!(
+                store
+                    .complete(&key, &fp, owner, response(100), Duration::from_secs(60))
+                    .await
+                    .unwrap()
+            );
+            let held = lock(&store.shared.shards[3]).entries.len();
+            assert!(held <= 20, "{held} records held over a budget of 20");
+            assert!(
+                held + EVICT_BATCH > (i + 1).min(20),
+                "{held} records held after {} stored",
+                i + 1
+            );
+            assert_eq!(store.stored_bytes(), held * size);
+        }
     }
 
     #[tokio::test]
