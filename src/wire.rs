@@ -1,5 +1,6 @@
 //! HTTP/1.1 framing shared by the listener (`server::h1`) and the upstream
-//! client (`proxy::upstream`): head limits and the chunked coding.
+//! client (`proxy::upstream`): head limits, the chunked coding, numbers
+//! written without the formatting machinery, and interned header names.
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
@@ -175,9 +176,109 @@ fn line_end(buf: &[u8]) -> Option<usize> {
     buf.windows(2).position(|w| w == b"\r\n")
 }
 
+/// `n` in decimal, written into `buf` without the formatting machinery.
+pub fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[at..];
+        }
+    }
+}
+
+/// `n` in hex (a chunk-size line), written into `buf`.
+pub fn hex_len(mut n: usize, buf: &mut [u8; 16]) -> &[u8] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = HEX[n % 16];
+        n /= 16;
+        if n == 0 {
+            return &buf[at..];
+        }
+    }
+}
+
+/// The header names this thread has seen lately, so a name that is not
+/// one of the standard ones (`idempotency-key`, on every request) is not
+/// allocated and lower-cased anew for each request.
+pub mod names {
+    use std::cell::RefCell;
+
+    use http::header::{HeaderName, InvalidHeaderName};
+
+    const SLOTS: usize = 64;
+    /// The longest name kept.
+    const MAX_KEPT: usize = 64;
+
+    thread_local! {
+        static SEEN: RefCell<[Option<HeaderName>; SLOTS]> = const { RefCell::new([const { None }; SLOTS]) };
+    }
+
+    /// `HeaderName::from_bytes`, from a direct-mapped cache when it holds
+    /// the name (compared ignoring ASCII case, as names are; a name equal to
+    /// a valid one but for case is valid too).
+    pub fn intern(bytes: &[u8]) -> Result<HeaderName, InvalidHeaderName> {
+        // Long names are not kept: a client cycling them would pin their
+        // buffers in the slots.
+        let (Some(&first), Some(&last)) = (bytes.first(), bytes.last()) else {
+            return HeaderName::from_bytes(bytes);
+        };
+        if bytes.len() > MAX_KEPT {
+            return HeaderName::from_bytes(bytes);
+        }
+        let slot = (bytes.len() * 31 + usize::from(first | 0x20) * 7 + usize::from(last | 0x20)) % SLOTS;
+        SEEN.with_borrow_mut(|seen| {
+            if let Some(name) = &seen[slot]
+                && name.as_str().as_bytes().eq_ignore_ascii_case(bytes)
+            {
+                return Ok(name.clone());
+            }
+            let name = HeaderName::from_bytes(bytes)?;
+            seen[slot] = Some(name.clone());
+            Ok(name)
+        })
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn interned_names_are_the_names() {
+            for raw in ["Idempotency-Key", "idempotency-key", "Host", "x-a", "x-b", "X-A"] {
+                let name = intern(raw.as_bytes()).unwrap();
+                assert_eq!(name, HeaderName::from_bytes(raw.as_bytes()).unwrap());
+                assert_eq!(name.as_str(), raw.to_ascii_lowercase());
+            }
+            assert!(intern(b"bad name").is_err());
+            assert!(intern(b"").is_err());
+            // A cached name never vouches for a different one of its slot
+            // ("x-a" and "x a" share one).
+            intern(b"x-a").unwrap();
+            assert!(intern(b"x a").is_err());
+            assert_eq!(intern(b"X-A").unwrap(), "x-a");
+            let long = "x".repeat(MAX_KEPT + 1);
+            assert_eq!(intern(long.as_bytes()).unwrap().as_str(), long);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_render() {
+        assert_eq!(itoa(0, &mut [0; 20]), b"0");
+        assert_eq!(itoa(u64::MAX, &mut [0; 20]), u64::MAX.to_string().as_bytes());
+        assert_eq!(hex_len(0, &mut [0; 16]), b"0");
+        assert_eq!(hex_len(0x1f2e, &mut [0; 16]), b"1f2e");
+    }
 
     fn chunks(wire: &[u8]) -> (Vec<u8>, Option<HeaderMap>, bool) {
         let mut state = Chunked::Size;

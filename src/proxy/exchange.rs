@@ -42,7 +42,7 @@ pub struct Exchange {
     pub context: Arc<Context>,
     /// The route: its policy, and its outcome counters (`forwarded` once
     /// the upstream answers, `upstream_error` when it does not).
-    pub route: Arc<LiveRoute>,
+    pub live: Arc<LiveRoute>,
     pub key: RecordKey,
     pub fingerprint: Fingerprint,
     pub owner: Owner,
@@ -370,7 +370,7 @@ impl Exchange {
     async fn drive(self, reply: oneshot::Sender<Response<ResponseBody>>) {
         let Exchange {
             context,
-            route,
+            live,
             key,
             fingerprint,
             owner,
@@ -378,7 +378,7 @@ impl Exchange {
             timeout,
             client_timeout,
         } = self;
-        let (policy, counters) = (&route.policy, &route.counters);
+        let (policy, counters) = (&live.route.policy, &live.counters);
         let mut guard = ClaimGuard::new(context.clone(), key, fingerprint, owner, policy.lock_timeout);
         // One clock reading for the lease, the deadline and the latency.
         let started = guard.claimed_at;

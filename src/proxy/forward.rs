@@ -40,12 +40,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // `Connection: keep-alive`, the usual value, names a header that is
     // removed anyway: no need to parse it.
     if present.contains(&header::CONNECTION) {
-        let named = headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .map(str::trim)
+        let named = crate::wire::tokens(headers, header::CONNECTION)
             .filter(|name| !name.eq_ignore_ascii_case("keep-alive"))
             .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok());
         present.extend(named);

@@ -23,7 +23,7 @@ mod upstream;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::header::{CONTENT_LENGTH, HOST};
+use http::header::HOST;
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, Uri};
 use http_body_util::{BodyExt, Either, Full, Limited};
@@ -46,7 +46,6 @@ use upstream::UpstreamClient;
 /// A configured route with what it needs at run time.
 struct LiveRoute {
     route: Route,
-    policy: Arc<Policy>,
     counters: Arc<RouteCounters>,
 }
 
@@ -109,7 +108,6 @@ impl Gateway {
             .map(|route| {
                 Arc::new(LiveRoute {
                     route: route.clone(),
-                    policy: Arc::new(route.policy.clone()),
                     counters: metrics.route(&route.name),
                 })
             })
@@ -140,7 +138,7 @@ impl Gateway {
     /// absent headers). `None` when there is no such route.
     pub fn record_key(&self, route: &str, scope: &[String], key: &str) -> Option<crate::store::RecordKey> {
         let live = self.routes.iter().find(|live| live.route.name == route)?;
-        let values = (0..live.policy.scope.len()).map(|i| scope.get(i).map(|v| v.as_bytes()).into_iter());
+        let values = (0..live.route.policy.scope.len()).map(|i| scope.get(i).map(|v| v.as_bytes()).into_iter());
         Some(key::record_key_of(values, key))
     }
 
@@ -208,7 +206,7 @@ impl Gateway {
         request: Request<ClientBody>,
         peer: Peer,
     ) -> Response<ResponseBody> {
-        let policy = &live.policy;
+        let policy = &live.route.policy;
         let upstream = self.config.upstream_of(&live.route);
         let (parts, body) = request.into_parts();
         Span::current().record("route", live.route.name.as_str());
@@ -236,7 +234,7 @@ impl Gateway {
         }
 
         // 3. The body, buffered.
-        let body = match self.read_body(&parts, body).await {
+        let body = match self.read_body(body).await {
             Ok(bytes) => bytes,
             Err((problem, body)) => return self.refuse(live, problem, parts, body, peer).await,
         };
@@ -375,7 +373,7 @@ impl Gateway {
             &self.exchanges,
             Exchange {
                 context: self.context.clone(),
-                route: live.clone(),
+                live: live.clone(),
                 key: record_key,
                 fingerprint,
                 owner,
@@ -401,7 +399,7 @@ impl Gateway {
         let outcome = outcome_of(&problem);
         let upstream = self.config.upstream_of(&live.route);
         let pass = problem == Problem::StoreUnavailable && self.config.store.on_error == OnStoreError::Pass;
-        if let Some(body) = body.filter(|_| live.policy.mode == Mode::Shadow || pass) {
+        if let Some(body) = body.filter(|_| live.route.policy.mode == Mode::Shadow || pass) {
             live.counters.count(if pass { outcome } else { outcome.shadowed() });
             return self
                 .forward(Request::from_parts(parts, body.into()), upstream, peer)
@@ -414,7 +412,7 @@ impl Gateway {
     /// Buffers the request body up to `max_request_body`. On failure, hands
     /// back the body when none of it was read yet, so shadow mode can still
     /// forward it.
-    async fn read_body(&self, parts: &Parts, body: ClientBody) -> Result<Bytes, (Problem, Option<RequestBody>)> {
+    async fn read_body(&self, body: ClientBody) -> Result<Bytes, (Problem, Option<RequestBody>)> {
         let limit = self.config.server.max_request_body;
         if let ClientBody::Whole(bytes) = body {
             // Read with the head already: nothing to wait for.
@@ -424,12 +422,8 @@ impl Gateway {
             }
             return Ok(bytes);
         }
-        let declared = parts
-            .headers
-            .get(CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        if declared.is_some_and(|len| len > limit) {
+        // The length the framing declared and checked (Content-Length).
+        if http_body::Body::size_hint(&body).lower() > limit {
             return Err((Problem::BodyTooLarge { limit }, Some(RequestBody::Streaming(body))));
         }
         let limit = usize::try_from(limit).unwrap_or(usize::MAX);

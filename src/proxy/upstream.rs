@@ -13,7 +13,7 @@
 //! or stray bytes) since the last response was read to its end.
 
 use std::cell::RefCell;
-use std::io::{self, Write as _};
+use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,7 +21,7 @@ use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use http::header::{self, HeaderName, HeaderValue};
+use http::header::{self, HeaderValue};
 use http::uri::{Authority, Scheme};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
@@ -341,7 +341,9 @@ fn encode_head(parts: &http::request::Parts, authority: &Authority, length: Opti
     match length {
         Some(0) if bodiless(&parts.method) => {}
         Some(length) => {
-            let _ = write!(head, "content-length: {length}\r\n");
+            head.extend_from_slice(b"content-length: ");
+            head.extend_from_slice(wire::itoa(length, &mut [0; 20]));
+            head.extend_from_slice(b"\r\n");
         }
         None => head.extend_from_slice(b"transfer-encoding: chunked\r\n"),
     }
@@ -395,7 +397,8 @@ async fn write_request(
                 if length.is_none() {
                     // One write per chunk: size line, data and CRLF.
                     let mut chunk = Vec::with_capacity(data.len() + 20);
-                    let _ = write!(chunk, "{:x}\r\n", data.len());
+                    chunk.extend_from_slice(wire::hex_len(data.len(), &mut [0; 16]));
+                    chunk.extend_from_slice(b"\r\n");
                     chunk.extend_from_slice(&data);
                     chunk.extend_from_slice(b"\r\n");
                     conn.stream.write_all(&chunk).await.map_err(io)?;
@@ -440,7 +443,7 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                     // know the length, and regrew the vector every time.)
                     let mut offsets = Vec::with_capacity(parsed.headers.len());
                     for h in parsed.headers.iter() {
-                        let name = HeaderName::from_bytes(h.name.as_bytes())
+                        let name = wire::names::intern(h.name.as_bytes())
                             .map_err(|_| UpstreamError::Protocol("a header name is not valid"))?;
                         offsets.push((name, h.value.as_ptr() as usize - base, h.value.len()));
                     }
@@ -642,7 +645,7 @@ mod tests {
             *r.status_mut() = StatusCode::from_u16(status).unwrap();
             for (n, v) in headers {
                 r.headers_mut()
-                    .append(HeaderName::from_bytes(n.as_bytes()).unwrap(), v.parse().unwrap());
+                    .append(http::HeaderName::from_bytes(n.as_bytes()).unwrap(), v.parse().unwrap());
             }
             r
         };

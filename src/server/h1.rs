@@ -537,7 +537,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         match framing {
             Out::Length(n) => {
                 w.extend_from_slice(b"content-length: ");
-                w.extend_from_slice(itoa(n, &mut [0; 20]));
+                w.extend_from_slice(wire::itoa(n, &mut [0; 20]));
                 w.extend_from_slice(b"\r\n");
             }
             Out::Chunked => w.extend_from_slice(b"transfer-encoding: chunked\r\n"),
@@ -628,7 +628,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     async fn gather(&mut self, data: &Bytes, chunked: bool) -> io::Result<()> {
         if chunked {
             let mut hex = [0u8; 16];
-            self.wbuf.extend_from_slice(hex_len(data.len(), &mut hex));
+            self.wbuf.extend_from_slice(wire::hex_len(data.len(), &mut hex));
             self.wbuf.extend_from_slice(b"\r\n");
         }
         if data.len() <= WRITE_GATHER {
@@ -727,7 +727,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
     // map is not regrown on the way.
     let mut headers = HeaderMap::with_capacity(count + 4);
     for &(name_start, name_end, start, end) in &offsets[..count] {
-        let name = names::intern(&head[name_start as usize..name_end as usize])
+        let name = wire::names::intern(&head[name_start as usize..name_end as usize])
             .map_err(|_| bad("a header name is not valid"))?;
         let value = HeaderValue::from_maybe_shared(head.slice(start as usize..end as usize))
             .map_err(|_| bad("a header value is not valid"))?;
@@ -745,71 +745,6 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
         keep_alive,
         expect_continue,
     }))
-}
-
-/// The header names this thread has seen lately, so a name that is not
-/// one of the standard ones (`idempotency-key`, on every request) is not
-/// allocated and lower-cased anew for each request.
-mod names {
-    use std::cell::RefCell;
-
-    use http::header::{HeaderName, InvalidHeaderName};
-
-    const SLOTS: usize = 64;
-    /// The longest name kept.
-    const MAX_KEPT: usize = 64;
-
-    thread_local! {
-        static SEEN: RefCell<[Option<HeaderName>; SLOTS]> = const { RefCell::new([const { None }; SLOTS]) };
-    }
-
-    /// `HeaderName::from_bytes`, from a direct-mapped cache when it holds
-    /// the name (compared ignoring ASCII case, as names are; a name equal to
-    /// a valid one but for case is valid too).
-    pub fn intern(bytes: &[u8]) -> Result<HeaderName, InvalidHeaderName> {
-        // Long names are not kept: a client cycling them would pin their
-        // buffers in the slots.
-        let (Some(&first), Some(&last)) = (bytes.first(), bytes.last()) else {
-            return HeaderName::from_bytes(bytes);
-        };
-        if bytes.len() > MAX_KEPT {
-            return HeaderName::from_bytes(bytes);
-        }
-        let slot = (bytes.len() * 31 + usize::from(first | 0x20) * 7 + usize::from(last | 0x20)) % SLOTS;
-        SEEN.with_borrow_mut(|seen| {
-            if let Some(name) = &seen[slot]
-                && name.as_str().as_bytes().eq_ignore_ascii_case(bytes)
-            {
-                return Ok(name.clone());
-            }
-            let name = HeaderName::from_bytes(bytes)?;
-            seen[slot] = Some(name.clone());
-            Ok(name)
-        })
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        #[test]
-        fn interned_names_are_the_names() {
-            for raw in ["Idempotency-Key", "idempotency-key", "Host", "x-a", "x-b", "X-A"] {
-                let name = intern(raw.as_bytes()).unwrap();
-                assert_eq!(name, HeaderName::from_bytes(raw.as_bytes()).unwrap());
-                assert_eq!(name.as_str(), raw.to_ascii_lowercase());
-            }
-            assert!(intern(b"bad name").is_err());
-            assert!(intern(b"").is_err());
-            // A cached name never vouches for a different one of its slot
-            // ("x-a" and "x a" share one).
-            intern(b"x-a").unwrap();
-            assert!(intern(b"x a").is_err());
-            assert_eq!(intern(b"X-A").unwrap(), "x-a");
-            let long = "x".repeat(MAX_KEPT + 1);
-            assert_eq!(intern(long.as_bytes()).unwrap().as_str(), long);
-        }
-    }
 }
 
 /// A request's body framing (RFC 9112 §6), whether the connection may
@@ -855,31 +790,6 @@ fn framing(headers: &HeaderMap, version: Version) -> Result<(BodyFraming, bool, 
     }
     let length = wire::content_length(headers).map_err(bad)?;
     Ok((BodyFraming::Length(length.unwrap_or(0)), keep_alive, expect_continue))
-}
-
-fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
-    let mut at = buf.len();
-    loop {
-        at -= 1;
-        buf[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            return &buf[at..];
-        }
-    }
-}
-
-fn hex_len(mut n: usize, buf: &mut [u8; 16]) -> &[u8] {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut at = buf.len();
-    loop {
-        at -= 1;
-        buf[at] = HEX[n % 16];
-        n /= 16;
-        if n == 0 {
-            return &buf[at..];
-        }
-    }
 }
 
 /// The `Date` header's value (RFC 9110 §5.6.7), rendered once a second per
@@ -1042,13 +952,5 @@ mod tests {
         assert_eq!(&date::render(0), b"Thu, 01 Jan 1970 00:00:00 GMT");
         assert_eq!(&date::render(951_782_400), b"Tue, 29 Feb 2000 00:00:00 GMT");
         assert_eq!(&date::render(4_102_444_799), b"Thu, 31 Dec 2099 23:59:59 GMT");
-    }
-
-    #[test]
-    fn numbers_render() {
-        assert_eq!(itoa(0, &mut [0; 20]), b"0");
-        assert_eq!(itoa(u64::MAX, &mut [0; 20]), u64::MAX.to_string().as_bytes());
-        assert_eq!(hex_len(0, &mut [0; 16]), b"0");
-        assert_eq!(hex_len(0x1f2e, &mut [0; 16]), b"1f2e");
     }
 }

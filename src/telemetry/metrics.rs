@@ -52,7 +52,7 @@ impl<T> PerThread<T> {
         &self.slots[index].0
     }
 
-    fn sum(&self, read: impl Fn(&T) -> u64) -> u64 {
+    fn sum<N: std::iter::Sum>(&self, read: impl Fn(&T) -> N) -> N {
         self.slots.iter().map(|slot| read(&slot.0)).sum()
     }
 }
@@ -197,9 +197,10 @@ impl Histogram {
         slot.sum_micros.fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
     }
 
-    /// The count, then the sum, read after the buckets: a scrape racing an
-    /// observation may see it in the count but not yet in a bucket, never
-    /// the other way round, so the buckets stay at or below `+Inf`.
+    /// The slots are read one after another while observations go on, so a
+    /// scrape may see an observation in its bucket but not yet in the
+    /// count: the count is raised to the buckets' total, so that `+Inf` is
+    /// never below a bucket.
     fn render(&self, name: &str, help: &str, out: &mut String) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
         let mut cumulative = 0;
@@ -239,11 +240,7 @@ impl Metrics {
 
     /// Claims held by this process.
     pub fn claims_in_flight(&self) -> i64 {
-        self.in_flight
-            .slots
-            .iter()
-            .map(|slot| slot.0.load(Ordering::Relaxed))
-            .sum()
+        self.in_flight.sum(|claims| claims.load(Ordering::Relaxed))
     }
 
     /// The counters of route `name` (`""` for unmatched requests).
