@@ -1,5 +1,5 @@
-//! The body types idemgate moves: from the client ([`ClientBody`]), to the
-//! client ([`ResponseBody`]) and to the upstream ([`UpstreamBody`]).
+//! The body types idemgate moves: from the client and on to the upstream
+//! ([`ClientBody`]), and to the client ([`ResponseBody`]).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -8,7 +8,6 @@ use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::Full;
 use hyper::body::Incoming;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Sleep;
@@ -17,11 +16,9 @@ use super::upstream::UpstreamResponseBody;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// A request body on its way upstream: buffered for idempotent routes,
-/// streamed for pass-through.
-pub type UpstreamBody = http_body_util::Either<Full<Bytes>, ClientBody>;
-
-/// A request body as the client sends it.
+/// A request body as the client sends it, and as it goes upstream: whole
+/// for idempotent routes (buffered) and for any body the listener read with
+/// its head, streamed otherwise.
 pub enum ClientBody {
     /// All of it, read with the head (or none at all).
     Whole(Option<Bytes>),

@@ -24,7 +24,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use super::body::{BodySender, ResponseBody, UpstreamBody};
+use super::body::{BodySender, ClientBody, ResponseBody};
 use super::forward::strip_hop_by_hop;
 use super::problem::Problem;
 use super::{Context, LiveRoute};
@@ -46,7 +46,7 @@ pub struct Exchange {
     pub key: RecordKey,
     pub fingerprint: Fingerprint,
     pub owner: Owner,
-    pub request: Request<UpstreamBody>,
+    pub request: Request<ClientBody>,
     pub timeout: Duration,
     /// How long the client may stall a streamed answer.
     pub client_timeout: Duration,

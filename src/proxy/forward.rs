@@ -9,7 +9,7 @@ use http::header::{self, Entry, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 use http::{Request, Version};
 
-use super::body::UpstreamBody;
+use super::body::ClientBody;
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -58,7 +58,7 @@ pub struct Peer {
 }
 
 /// Points `request` at `upstream` and rewrites its headers for the hop.
-pub fn prepare(request: &mut Request<UpstreamBody>, upstream: &Uri, peer: Peer) {
+pub fn prepare(request: &mut Request<ClientBody>, upstream: &Uri, peer: Peer) {
     // The Host of the upstream, as nginx's default `proxy_set_header Host
     // $proxy_host`; the client's Host travels in X-Forwarded-Host.
     let original_host = request.headers_mut().remove(header::HOST).or_else(|| {

@@ -26,7 +26,7 @@ use bytes::Bytes;
 use http::header::HOST;
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, Uri};
-use http_body_util::{BodyExt, Either, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::field::Empty;
@@ -39,7 +39,6 @@ pub use problem::Problem;
 use crate::config::{Config, DeriveField, Mode, OnInFlight, OnStoreError, Policy, Route, RouteMatch};
 use crate::store::{Claim, Outcome as Stored, Owner, StoreHandle, StoredResponse};
 use crate::telemetry::{Metrics, Outcome, RouteCounters};
-use body::UpstreamBody;
 use exchange::Exchange;
 use upstream::UpstreamClient;
 
@@ -83,11 +82,11 @@ enum RequestBody {
     Buffered(Bytes),
 }
 
-impl From<RequestBody> for UpstreamBody {
-    fn from(body: RequestBody) -> UpstreamBody {
+impl From<RequestBody> for ClientBody {
+    fn from(body: RequestBody) -> ClientBody {
         match body {
-            RequestBody::Streaming(body) => Either::Right(body),
-            RequestBody::Buffered(bytes) => Either::Left(Full::new(bytes)),
+            RequestBody::Streaming(body) => body,
+            RequestBody::Buffered(bytes) => ClientBody::whole(bytes),
         }
     }
 }
@@ -162,7 +161,7 @@ impl Gateway {
             Routed::Idempotent(live, params) => self.idempotent(live, params, request, peer).await,
             Routed::PassThrough(upstream) => {
                 self.passthrough.count(Outcome::Passthrough);
-                self.forward(request.map(Either::Right), upstream, peer).await
+                self.forward(request, upstream, peer).await
             }
         }
     }
@@ -228,9 +227,7 @@ impl Gateway {
                     .await;
             }
             live.counters.count(Outcome::Passthrough);
-            return self
-                .forward(Request::from_parts(parts, Either::Right(body)), upstream, peer)
-                .await;
+            return self.forward(Request::from_parts(parts, body), upstream, peer).await;
         }
 
         // 3. The body, buffered.
@@ -311,11 +308,7 @@ impl Gateway {
                     Stored::Response(_) => {
                         live.counters.count(Outcome::ShadowReplayed);
                         return self
-                            .forward(
-                                Request::from_parts(parts, Either::Left(Full::new(body))),
-                                upstream,
-                                peer,
-                            )
+                            .forward(Request::from_parts(parts, ClientBody::whole(body)), upstream, peer)
                             .await;
                     }
                     Stored::NotReplayable => Problem::ResponseNotReplayable,
@@ -350,7 +343,7 @@ impl Gateway {
         }
 
         // 6. The claimed exchange.
-        let mut request = Request::from_parts(parts, Either::Left(Full::new(body)));
+        let mut request = Request::from_parts(parts, ClientBody::whole(body));
         forward::prepare(&mut request, upstream, peer);
         let headers = request.headers_mut();
         // The usual case, the key forwarded under the header it came in,
@@ -440,7 +433,7 @@ impl Gateway {
     }
 
     /// Forwards without recording: pass-through, shadow mode, store bypass.
-    async fn forward(&self, mut request: Request<UpstreamBody>, upstream: &Uri, peer: Peer) -> Response<ResponseBody> {
+    async fn forward(&self, mut request: Request<ClientBody>, upstream: &Uri, peer: Peer) -> Response<ResponseBody> {
         forward::prepare(&mut request, upstream, peer);
         let started = Instant::now();
         let deadline = started + self.config.upstream.timeout;

@@ -25,14 +25,14 @@ use http::header::{self, HeaderValue};
 use http::uri::{Authority, Scheme};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::{BodyExt, Either};
+use http_body_util::BodyExt;
 use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
 
-use super::body::{BoxError, UpstreamBody};
+use super::body::{BoxError, ClientBody};
 use crate::config::UpstreamConfig;
 use crate::server::tls::{self, TlsError};
 use crate::wire::{self, Chunked, MAX_HEAD, MAX_HEADERS, next_chunk};
@@ -244,10 +244,7 @@ impl Conn {
 impl UpstreamClient {
     /// Sends `request` (its URI absolute) and returns the response head;
     /// the body is read as it is polled.
-    pub async fn request(
-        &self,
-        request: Request<UpstreamBody>,
-    ) -> Result<Response<UpstreamResponseBody>, UpstreamError> {
+    pub async fn request(&self, request: Request<ClientBody>) -> Result<Response<UpstreamResponseBody>, UpstreamError> {
         let (parts, body) = request.into_parts();
         let key = PoolKey {
             client: self.inner.id,
@@ -363,16 +360,12 @@ async fn write_request(
     conn: &mut Conn,
     parts: &http::request::Parts,
     authority: &Authority,
-    body: UpstreamBody,
+    body: ClientBody,
 ) -> Result<(), UpstreamError> {
     let io = UpstreamError::Io;
     match body {
-        Either::Left(mut full) => {
-            // A `Full` body is one data frame, or none when empty.
-            let bytes = match full.frame().await {
-                Some(Ok(frame)) => frame.into_data().unwrap_or_default(),
-                _ => Bytes::new(),
-            };
+        ClientBody::Whole(bytes) => {
+            let bytes = bytes.unwrap_or_default();
             let mut head = encode_head(parts, authority, Some(bytes.len() as u64));
             if bytes.len() <= COALESCE {
                 head.extend_from_slice(&bytes);
@@ -383,12 +376,12 @@ async fn write_request(
             }
             reuse_head(head);
         }
-        Either::Right(mut incoming) => {
-            let length = incoming.size_hint().exact();
+        mut streamed => {
+            let length = streamed.size_hint().exact();
             let head = encode_head(parts, authority, length);
             conn.stream.write_all(&head).await.map_err(io)?;
             reuse_head(head);
-            while let Some(frame) = incoming.frame().await {
+            while let Some(frame) = streamed.frame().await {
                 let frame = frame.map_err(UpstreamError::RequestBody)?;
                 let Ok(data) = frame.into_data() else { continue };
                 if data.is_empty() {
