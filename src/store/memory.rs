@@ -285,21 +285,22 @@ impl Shard {
     }
 }
 
-#[async_trait]
-impl Store for MemoryStore {
-    async fn claim(
+impl MemoryStore {
+    /// [`Store::claim`], answered at once: the memory store never waits, so
+    /// the proxy calls it directly, without a boxed future or a deadline.
+    pub fn claim_now(
         &self,
         key: &RecordKey,
         fingerprint: &Fingerprint,
         owner: Owner,
         lease: Duration,
         refresh_ttl: Option<Duration>,
-    ) -> Result<Claim, StoreError> {
+    ) -> Claim {
         let now = Instant::now();
         let mut shard = self.shard(key);
         if let Some(entry) = shard.live(key, now) {
             let found = entry.fingerprint;
-            return Ok(match &entry.state {
+            return match &entry.state {
                 State::InFlight { .. } => Claim::InFlight { fingerprint: found },
                 State::Done { outcome, .. } => {
                     let outcome = outcome.clone();
@@ -311,7 +312,7 @@ impl Store for MemoryStore {
                         outcome,
                     }
                 }
-            });
+            };
         }
         let deadline = shard.queue_deadline(key, now, lease);
         shard.entries.insert(
@@ -322,23 +323,17 @@ impl Store for MemoryStore {
                 state: State::InFlight { owner, done: None },
             },
         );
-        Ok(Claim::Claimed)
+        Claim::Claimed
     }
 
-    async fn complete(
-        &self,
-        key: &RecordKey,
-        _fingerprint: &Fingerprint,
-        owner: Owner,
-        outcome: Outcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    /// [`Store::complete`], answered at once.
+    pub fn complete_now(&self, key: &RecordKey, owner: Owner, outcome: Outcome, ttl: Duration) -> bool {
         let now = Instant::now();
         let mut shard = self.shard(key);
         let order = shard.next_seq();
         let size = outcome_size(&outcome);
         let Some(entry) = shard.owned(key, owner, now) else {
-            return Ok(false);
+            return false;
         };
         let previous = std::mem::replace(&mut entry.state, State::Done { outcome, order, size });
         if let State::InFlight { done: Some(done), .. } = previous {
@@ -352,7 +347,32 @@ impl Store for MemoryStore {
         shard.evict_to(budget, key, &mut evicted);
         drop(shard);
         drop_evicted(evicted);
-        Ok(true)
+        true
+    }
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: Owner,
+        lease: Duration,
+        refresh_ttl: Option<Duration>,
+    ) -> Result<Claim, StoreError> {
+        Ok(self.claim_now(key, fingerprint, owner, lease, refresh_ttl))
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        _fingerprint: &Fingerprint,
+        owner: Owner,
+        outcome: Outcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        Ok(self.complete_now(key, owner, outcome, ttl))
     }
 
     async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
