@@ -50,6 +50,7 @@
 //!            last byte ──> client
 //! ```
 
+mod clock;
 pub mod config;
 pub mod proxy;
 pub mod server;

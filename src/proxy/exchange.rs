@@ -46,6 +46,8 @@ pub struct Exchange {
     pub key: RecordKey,
     pub fingerprint: Fingerprint,
     pub owner: Owner,
+    /// When the store answered the claim: the lease runs from here.
+    pub claimed_at: Instant,
     pub request: Request<ClientBody>,
     pub timeout: Duration,
     /// How long the client may stall a streamed answer.
@@ -78,6 +80,7 @@ impl ClaimGuard {
         fingerprint: Fingerprint,
         owner: Owner,
         lease: Duration,
+        claimed_at: Instant,
     ) -> ClaimGuard {
         context.metrics.claim_taken();
         ClaimGuard {
@@ -86,7 +89,7 @@ impl ClaimGuard {
             fingerprint,
             owner,
             lease,
-            claimed_at: Instant::now(),
+            claimed_at,
             renewal: None,
             settled: false,
         }
@@ -374,12 +377,20 @@ impl Exchange {
             key,
             fingerprint,
             owner,
+            claimed_at,
             request,
             timeout,
             client_timeout,
         } = self;
         let (policy, counters) = (&live.route.policy, &live.counters);
-        let mut guard = ClaimGuard::new(context.clone(), key, fingerprint, owner, policy.lock_timeout);
+        let mut guard = ClaimGuard::new(
+            context.clone(),
+            key,
+            fingerprint,
+            owner,
+            policy.lock_timeout,
+            claimed_at,
+        );
         // One clock reading for the lease, the deadline and the latency.
         let started = guard.claimed_at;
         let deadline = started + timeout;

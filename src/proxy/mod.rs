@@ -280,7 +280,8 @@ impl Gateway {
             owner,
             armed: true,
         };
-        loop {
+        // When the claim was answered: the lease's start.
+        let claimed_at = loop {
             unsettled.armed = true;
             let started = Instant::now();
             let claim = self
@@ -288,13 +289,14 @@ impl Gateway {
                 .store
                 .claim(&record_key, &fingerprint, owner, policy.lock_timeout, refresh)
                 .await;
-            self.context.metrics.store_latency.observe(started.elapsed());
+            let answered = Instant::now();
+            self.context.metrics.store_latency.observe(answered - started);
             if claim.is_ok() {
                 // Claimed: the exchange's guard takes over. Otherwise not ours.
                 unsettled.armed = false;
             }
             let problem = match claim {
-                Ok(Claim::Claimed) => break,
+                Ok(Claim::Claimed) => break answered,
                 Ok(Claim::InFlight { fingerprint: f, .. } | Claim::Completed { fingerprint: f, .. })
                     if f != fingerprint =>
                 {
@@ -315,11 +317,11 @@ impl Gateway {
                     Stored::Unknown => Problem::OutcomeUnknown,
                 },
                 Ok(Claim::InFlight { .. }) => {
-                    let now = Instant::now();
                     // From before the first claim, as the budget covers the claims too.
                     let wait_until = *wait_until.get_or_insert(started + policy.wait_timeout);
-                    if policy.on_in_flight == OnInFlight::Wait && policy.mode == Mode::Enforce && now < wait_until {
-                        match self.context.store.wait(&record_key, wait_until - now).await {
+                    if policy.on_in_flight == OnInFlight::Wait && policy.mode == Mode::Enforce && answered < wait_until
+                    {
+                        match self.context.store.wait(&record_key, wait_until - answered).await {
                             Ok(()) => continue,
                             Err(error) => {
                                 // The store said another request holds the key:
@@ -340,7 +342,7 @@ impl Gateway {
             return self
                 .refuse(live, problem, parts, Some(RequestBody::Buffered(body)), peer)
                 .await;
-        }
+        };
 
         // 6. The claimed exchange.
         let mut request = Request::from_parts(parts, ClientBody::whole(body));
@@ -370,6 +372,7 @@ impl Gateway {
                 key: record_key,
                 fingerprint,
                 owner,
+                claimed_at,
                 request,
                 timeout: self.config.upstream.timeout,
                 client_timeout: self.config.server.header_read_timeout,

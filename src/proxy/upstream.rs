@@ -18,7 +18,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderValue};
@@ -29,10 +29,12 @@ use http_body_util::BodyExt;
 use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
 
 use super::body::{BoxError, ClientBody};
+use crate::clock::coarse_now;
 use crate::config::UpstreamConfig;
 use crate::server::tls::{self, TlsError};
 use crate::wire::{self, Chunked, MAX_HEAD, MAX_HEADERS, next_chunk};
@@ -123,7 +125,7 @@ fn checkout(key: &PoolKey) -> Option<Conn> {
 }
 
 fn checkin(key: PoolKey, mut conn: Conn) {
-    let now = Instant::now();
+    let now = coarse_now();
     conn.idle_since = now;
     POOL.with_borrow_mut(|pool| {
         // A connection of a client that a reload replaced is not kept, nor
@@ -138,7 +140,7 @@ fn checkin(key: PoolKey, mut conn: Conn) {
                 // looking no further than the first one still in it.
                 let stale = idle
                     .iter()
-                    .take_while(|c| now.duration_since(c.idle_since) > IDLE_TIMEOUT)
+                    .take_while(|c| now.saturating_duration_since(c.idle_since) > IDLE_TIMEOUT)
                     .count();
                 idle.drain(..stale);
                 if idle.len() < MAX_IDLE_PER_UPSTREAM {
@@ -208,7 +210,7 @@ impl Conn {
     /// and nothing (an EOF, stray bytes, a TLS close) arrived while it was
     /// idle.
     fn usable(&mut self) -> bool {
-        if self.idle_since.elapsed() > IDLE_TIMEOUT || !self.buf.is_empty() {
+        if coarse_now().saturating_duration_since(self.idle_since) > IDLE_TIMEOUT || !self.buf.is_empty() {
             return false;
         }
         if let Stream::Tls(tls) = &mut self.stream {
@@ -291,7 +293,7 @@ impl UpstreamClient {
             Ok(Conn {
                 stream,
                 buf: BytesMut::new(),
-                idle_since: Instant::now(),
+                idle_since: coarse_now(),
             })
         };
         match tokio::time::timeout(self.inner.connect_timeout, connect).await {

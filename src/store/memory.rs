@@ -19,6 +19,8 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::clock::coarse_now;
+
 use super::{Claim, Fingerprint, KeyMap, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 
 const SHARDS: usize = 16;
@@ -296,7 +298,7 @@ impl MemoryStore {
         lease: Duration,
         refresh_ttl: Option<Duration>,
     ) -> Claim {
-        let now = Instant::now();
+        let now = coarse_now();
         let mut shard = self.shard(key);
         if let Some(entry) = shard.live(key, now) {
             let found = entry.fingerprint;
@@ -328,7 +330,7 @@ impl MemoryStore {
 
     /// [`Store::complete`], answered at once.
     pub fn complete_now(&self, key: &RecordKey, owner: Owner, outcome: Outcome, ttl: Duration) -> bool {
-        let now = Instant::now();
+        let now = coarse_now();
         let mut shard = self.shard(key);
         let order = shard.next_seq();
         let size = outcome_size(&outcome);
@@ -377,7 +379,7 @@ impl Store for MemoryStore {
 
     async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
         let mut shard = self.shard(key);
-        if shard.owned(key, owner, Instant::now()).is_none() {
+        if shard.owned(key, owner, coarse_now()).is_none() {
             return Ok(false);
         }
         shard.remove(key);
@@ -385,7 +387,7 @@ impl Store for MemoryStore {
     }
 
     async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {
-        let now = Instant::now();
+        let now = coarse_now();
         let mut shard = self.shard(key);
         if shard.owned(key, owner, now).is_none() {
             return Ok(false);
@@ -395,7 +397,7 @@ impl Store for MemoryStore {
     }
 
     async fn wait(&self, key: &RecordKey, timeout: Duration) -> Result<(), StoreError> {
-        let now = Instant::now();
+        let now = coarse_now();
         let (done, lease_end) = {
             let mut shard = self.shard(key);
             match shard.live(key, now) {
@@ -413,7 +415,7 @@ impl Store for MemoryStore {
         tokio::pin!(notified);
         notified.as_mut().enable();
         let still_in_flight = matches!(
-            self.shard(key).live(key, Instant::now()),
+            self.shard(key).live(key, coarse_now()),
             Some(Entry { state: State::InFlight { done: Some(d), .. }, .. }) if Arc::ptr_eq(d, &done)
         );
         if still_in_flight {
@@ -433,7 +435,7 @@ impl Store for MemoryStore {
     }
 
     async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
-        let now = Instant::now();
+        let now = coarse_now();
         let mut shard = self.shard(key);
         Ok(shard.live(key, now).map(|entry| {
             let record = match &entry.state {
@@ -485,7 +487,7 @@ async fn sweep(shared: Weak<Shared>) {
     loop {
         tick.tick().await;
         let Some(shared) = shared.upgrade() else { return };
-        let now = Instant::now();
+        let now = coarse_now();
         for shard in shared.shards.iter() {
             while lock(shard).sweep(now, BATCH) == BATCH {}
         }
