@@ -23,6 +23,8 @@ mod upstream;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use futures_util::FutureExt;
+use futures_util::future::Either;
 use http::header::HOST;
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, Uri};
@@ -145,25 +147,27 @@ impl Gateway {
     ///
     /// Runs in a `request` span with the route, the outcome and a short hash
     /// of the record key (never the key itself).
-    pub async fn handle(&self, request: Request<ClientBody>, peer: Peer) -> Response<ResponseBody> {
+    ///
+    /// Not an `async fn`: the route is chosen at once, and the future is
+    /// that route's own. Each layer of `async fn` would hold its arguments
+    /// again and be copied whole into the next, and the request's future
+    /// is the one every request moves.
+    pub fn handle(
+        &self,
+        request: Request<ClientBody>,
+        peer: Peer,
+    ) -> impl Future<Output = Response<ResponseBody>> + '_ {
         let span = tracing::info_span!("request", route = Empty, outcome = Empty, key = Empty);
-        async {
-            let response = self.pipeline(request, peer).await;
-            tracing::debug!(status = response.status().as_u16(), "answered");
-            response
-        }
-        .instrument(span)
-        .await
-    }
-
-    async fn pipeline(&self, request: Request<ClientBody>, peer: Peer) -> Response<ResponseBody> {
-        match self.route_for(&request) {
-            Routed::Idempotent(live, params) => self.idempotent(live, params, request, peer).await,
+        let answer = match self.route_for(&request) {
+            Routed::Idempotent(live, params) => Either::Left(self.idempotent(live, params, request, peer)),
             Routed::PassThrough(upstream) => {
                 self.passthrough.count(Outcome::Passthrough);
-                self.forward(request, upstream, peer).await
+                Either::Right(self.forward(request, upstream, peer))
             }
-        }
+        };
+        answer
+            .inspect(|response| tracing::debug!(status = response.status().as_u16(), "answered"))
+            .instrument(span)
     }
 
     fn route_for(&self, request: &Request<ClientBody>) -> Routed<'_> {
@@ -227,7 +231,7 @@ impl Gateway {
                     .await;
             }
             live.counters.count(Outcome::Passthrough);
-            return self.forward(Request::from_parts(parts, body), upstream, peer).await;
+            return Box::pin(self.forward(Request::from_parts(parts, body), upstream, peer)).await;
         }
 
         // 3. The body, buffered.
@@ -309,9 +313,8 @@ impl Gateway {
                     }
                     Stored::Response(_) => {
                         live.counters.count(Outcome::ShadowReplayed);
-                        return self
-                            .forward(Request::from_parts(parts, ClientBody::whole(body)), upstream, peer)
-                            .await;
+                        let request = Request::from_parts(parts, ClientBody::whole(body));
+                        return Box::pin(self.forward(request, upstream, peer)).await;
                     }
                     Stored::NotReplayable => Problem::ResponseNotReplayable,
                     Stored::Unknown => Problem::OutcomeUnknown,
@@ -397,9 +400,7 @@ impl Gateway {
         let pass = problem == Problem::StoreUnavailable && self.config.store.on_error == OnStoreError::Pass;
         if let Some(body) = body.filter(|_| live.route.policy.mode == Mode::Shadow || pass) {
             live.counters.count(if pass { outcome } else { outcome.shadowed() });
-            return self
-                .forward(Request::from_parts(parts, body.into()), upstream, peer)
-                .await;
+            return Box::pin(self.forward(Request::from_parts(parts, body.into()), upstream, peer)).await;
         }
         live.counters.count(outcome);
         problem.response()

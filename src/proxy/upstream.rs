@@ -260,7 +260,9 @@ impl UpstreamClient {
         };
         let mut conn = match checkout(&key) {
             Some(conn) => conn,
-            None => self.connect(&key).await?,
+            // Boxed: a new connection is rare, and its future (a TLS
+            // handshake's) would otherwise double this one's size.
+            None => Box::pin(self.connect(&key)).await?,
         };
         write_request(&mut conn, &parts, &key.authority, body).await?;
         let head_only = parts.method == Method::HEAD;
