@@ -58,7 +58,7 @@ pub struct Exchange {
 /// it when dropped unless it was completed or released on purpose.
 ///
 /// Most exchanges end well within a third of the lease, so the renewal task
-/// is only spawned once one has run that long (see [`ClaimGuard::renewing`]).
+/// is only spawned once one has run that long (see [`ClaimGuard::renewing_until`]).
 struct ClaimGuard {
     /// The store, and the metrics the claim is counted in.
     context: Arc<Context>,
@@ -129,19 +129,29 @@ impl ClaimGuard {
         }));
     }
 
-    /// Runs `work`, starting the renewal if it lasts a third of the lease.
-    /// `work` is pinned by the caller: taken by value, it would be held
-    /// here two or three times over (the upstream request is ~2 KB), and the
-    /// exchange task that is moved into the runtime would be that much
-    /// larger.
-    async fn renewing<F: Future>(&mut self, mut work: Pin<&mut F>) -> F::Output {
-        tokio::select! {
-            biased;
-            done = work.as_mut() => return done,
-            () = tokio::time::sleep_until(self.claimed_at + self.every()) => {}
-        }
-        self.start_renewal();
-        work.await
+    /// Runs `work` until `deadline` (`None` when it is reached first),
+    /// starting the renewal if it lasts a third of the lease. One timer
+    /// serves both: it first falls due for the renewal, then is moved on to
+    /// the deadline. `work` is pinned by the caller: taken by value, it
+    /// would be held here again, and the exchange's future (which is moved
+    /// into the heap) would be that much larger.
+    async fn renewing_until<F: Future>(&mut self, deadline: Instant, mut work: Pin<&mut F>) -> Option<F::Output> {
+        let renew_at = self.claimed_at + self.every();
+        let mut timer = std::pin::pin!(tokio::time::sleep_until(renew_at.min(deadline)));
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(done) = work.as_mut().poll(cx) {
+                return Poll::Ready(Some(done));
+            }
+            while timer.as_mut().poll(cx).is_ready() {
+                if timer.deadline() >= deadline {
+                    return Poll::Ready(None);
+                }
+                self.start_renewal();
+                timer.as_mut().reset(deadline);
+            }
+            Poll::Pending
+        })
+        .await
     }
 
     fn settle(&mut self) {
@@ -395,32 +405,29 @@ impl Exchange {
         let started = guard.claimed_at;
         let deadline = started + timeout;
         let sent = guard
-            .renewing(std::pin::pin!(tokio::time::timeout_at(
-                deadline,
-                context.client.request(request)
-            )))
+            .renewing_until(deadline, std::pin::pin!(context.client.request(request)))
             .await;
         context.metrics.upstream_latency.observe(started.elapsed());
         let response = match sent {
-            Ok(Ok(response)) => {
+            Some(Ok(response)) => {
                 counters.count(TelemetryOutcome::Forwarded);
                 response
             }
-            Ok(Err(error)) if error.is_connect() => {
+            Some(Err(error)) if error.is_connect() => {
                 counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(key = %key.tag(), error = %error_chain(&error), "upstream unreachable");
                 guard.release().await;
                 let _ = reply.send(Problem::UpstreamUnavailable("the upstream cannot be reached".into()).response());
                 return;
             }
-            Ok(Err(error)) => {
+            Some(Err(error)) => {
                 counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(key = %key.tag(), error = %error_chain(&error), "upstream failed after the request was sent");
                 let problem = fail(guard, policy, Failure::Broken).await;
                 let _ = reply.send(problem.response());
                 return;
             }
-            Err(_) => {
+            None => {
                 counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(key = %key.tag(), "upstream timed out");
                 let problem = fail(guard, policy, Failure::Timeout).await;
