@@ -41,6 +41,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
+use crate::clock::coarse_now;
 use crate::proxy::{ClientBody, Feed, Gateway, Peer, Problem, ResponseBody};
 use crate::wire::{self, Chunked, MAX_HEAD, MAX_HEADERS};
 
@@ -235,7 +236,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     /// while `idle`.
     async fn fill(&mut self, idle: bool, deadline: &mut Option<Instant>) -> io::Result<Wait> {
         self.make_room();
-        let mut armed = false;
         std::future::poll_fn(|cx| {
             match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf) {
                 Poll::Ready(Ok(n)) => return Poll::Ready(Ok(Wait::Read(n))),
@@ -245,19 +245,28 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             if idle && self.shutdown.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(Ok(Wait::Shutdown));
             }
-            if !armed {
-                let timeout = self.timeout;
-                self.timer
-                    .as_mut()
-                    .reset(*deadline.get_or_insert_with(|| Instant::now() + timeout));
-                armed = true;
-            }
-            match self.timer.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Ok(Wait::TimedOut)),
-                Poll::Pending => Poll::Pending,
-            }
+            let timeout = self.timeout;
+            let due = *deadline.get_or_insert_with(|| coarse_now() + timeout);
+            self.poll_due(cx, due).map(|()| Ok(Wait::TimedOut))
         })
         .await
+    }
+
+    /// Ready once `due` has passed. The timer is moved only when it would
+    /// fall due after `due`, or when it falls due before it: most waits end
+    /// long before their deadline, and moving the timer for every one would
+    /// cost a trip through the runtime's timer wheel per request.
+    fn poll_due(&mut self, cx: &mut Context<'_>, due: Instant) -> Poll<()> {
+        if self.timer.deadline() > due {
+            self.timer.as_mut().reset(due);
+        }
+        while self.timer.as_mut().poll(cx).is_ready() {
+            if self.timer.deadline() >= due {
+                return Poll::Ready(());
+            }
+            self.timer.as_mut().reset(due);
+        }
+        Poll::Pending
     }
 
     /// Reads the next request head; `Closed` when the client closed or went
@@ -405,22 +414,22 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     /// (an interim `100 Continue` when the answer comes) is resumed, never
     /// repeated, by the next.
     async fn flush(&mut self) -> io::Result<()> {
-        let mut armed = false;
+        let mut due = None;
         std::future::poll_fn(|cx| {
             while self.sent < self.wbuf.len() {
                 match Pin::new(&mut self.io).poll_write(cx, &self.wbuf[self.sent..]) {
                     Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
                     Poll::Ready(Ok(n)) => {
                         self.sent += n;
-                        armed = false;
+                        due = None;
                     }
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                    Poll::Pending => return self.stalled(cx, &mut armed),
+                    Poll::Pending => return self.stalled(cx, &mut due),
                 }
             }
             match Pin::new(&mut self.io).poll_flush(cx) {
                 Poll::Ready(result) => Poll::Ready(result),
-                Poll::Pending => self.stalled(cx, &mut armed),
+                Poll::Pending => self.stalled(cx, &mut due),
             }
         })
         .await?;
@@ -431,15 +440,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
 
     /// A write is waiting on the client: pending until the timeout, counted
     /// from when it started waiting.
-    fn stalled(&mut self, cx: &mut Context<'_>, armed: &mut bool) -> Poll<io::Result<()>> {
-        if !*armed {
-            self.timer.as_mut().reset(Instant::now() + self.timeout);
-            *armed = true;
-        }
-        match self.timer.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(io::ErrorKind::TimedOut.into())),
-            Poll::Pending => Poll::Pending,
-        }
+    fn stalled(&mut self, cx: &mut Context<'_>, due: &mut Option<Instant>) -> Poll<io::Result<()>> {
+        let timeout = self.timeout;
+        let due = *due.get_or_insert_with(|| coarse_now() + timeout);
+        self.poll_due(cx, due).map(|()| Err(io::ErrorKind::TimedOut.into()))
     }
 
     /// Answers a head that cannot be served.
@@ -652,11 +656,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
 
     /// One write of `data`, bounded like [`Connection::flush`].
     async fn write_some(&mut self, data: &[u8]) -> io::Result<usize> {
-        let mut armed = false;
+        let mut due = None;
         std::future::poll_fn(|cx| match Pin::new(&mut self.io).poll_write(cx, data) {
             Poll::Ready(Ok(0)) => Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
             Poll::Ready(result) => Poll::Ready(result),
-            Poll::Pending => self.stalled(cx, &mut armed).map_ok(|()| 0),
+            Poll::Pending => self.stalled(cx, &mut due).map_ok(|()| 0),
         })
         .await
     }
