@@ -275,37 +275,53 @@ impl Recorder {
         }
     }
 
-    /// The stored answer, its header values and body in one buffer of its
-    /// own. The header values and chunks are slices of the connection's
-    /// read buffer: keeping one would pin the whole buffer (kilobytes for an
-    /// answer of a few bytes) for as long as the record. One buffer is one
-    /// allocation to make and, when the record goes, one to free.
-    fn stored(self, status: StatusCode, headers: Vec<(HeaderName, HeaderValue)>) -> StoredResponse {
-        let values: usize = headers.iter().map(|(_, value)| value.len()).sum();
-        let mut block = BytesMut::with_capacity(values + self.len);
-        for (_, value) in &headers {
-            block.extend_from_slice(value.as_bytes());
+    /// What the record keeps: the answer kept by [`record`], or
+    /// `NotReplayable` when it grew past the limit.
+    fn outcome(self, status: StatusCode, headers: &[(HeaderName, HeaderValue)]) -> Outcome {
+        if self.over_limit {
+            return Outcome::NotReplayable;
         }
-        for chunk in &self.chunks {
-            block.extend_from_slice(chunk);
-        }
-        let block = block.freeze();
-        let mut at = 0;
-        let headers = headers
-            .into_iter()
-            .map(|(name, value)| {
-                let slice = block.slice(at..at + value.len());
-                at += value.len();
-                let mut stored = HeaderValue::from_maybe_shared(slice).expect("a header value stays valid");
-                stored.set_sensitive(value.is_sensitive());
-                (name, stored)
-            })
-            .collect();
-        StoredResponse {
-            status,
-            headers,
-            body: block.slice(at..),
-        }
+        let headers = || headers.iter().map(|(name, value)| (name, value));
+        Outcome::Response(Arc::new(record(status, headers, &self.chunks)))
+    }
+}
+
+/// The stored answer, its header values and body in one buffer of its own.
+/// The header values and chunks are slices of the connection's read buffer:
+/// keeping one would pin the whole buffer (kilobytes for an answer of a few
+/// bytes) for as long as the record. One buffer is one allocation to make
+/// and, when the record goes, one to free. `headers` gives the kept headers
+/// (twice: once to size the buffer), borrowed, so nothing is cloned (each
+/// clone of a slice is an atomic count on the read buffer) only to be
+/// copied and dropped.
+fn record<'a, I>(status: StatusCode, headers: impl Fn() -> I, chunks: &[Bytes]) -> StoredResponse
+where
+    I: Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
+{
+    let values: usize = headers().map(|(_, value)| value.len()).sum();
+    let body: usize = chunks.iter().map(Bytes::len).sum();
+    let mut block = BytesMut::with_capacity(values + body);
+    for (_, value) in headers() {
+        block.extend_from_slice(value.as_bytes());
+    }
+    for chunk in chunks {
+        block.extend_from_slice(chunk);
+    }
+    let block = block.freeze();
+    let mut at = 0;
+    let headers = headers()
+        .map(|(name, value)| {
+            let slice = block.slice(at..at + value.len());
+            at += value.len();
+            let mut stored = HeaderValue::from_maybe_shared(slice).expect("a header value stays valid");
+            stored.set_sensitive(value.is_sensitive());
+            (name.clone(), stored)
+        })
+        .collect();
+    StoredResponse {
+        status,
+        headers,
+        body: block.slice(at..),
     }
 }
 
@@ -440,10 +456,7 @@ impl Exchange {
         strip_hop_by_hop(&mut head.headers);
         let keep = !(head.status.is_server_error() && policy.on_server_error == OnServerError::Release);
         let limit = usize::try_from(policy.max_response_body).unwrap_or(usize::MAX);
-        // An answer that is not kept is recorded by a recorder that keeps nothing.
-        let mut recorder = Recorder::new(if keep { limit } else { 0 });
         let status = head.status;
-        let headers = keep.then(|| stored_headers(&head.headers, policy));
 
         // Take the frames that have already arrived. When they are the
         // whole body (the common case for small answers), the record is
@@ -483,8 +496,14 @@ impl Exchange {
             }
         }
         if whole && trailers.is_none() {
-            early.iter().for_each(|data| recorder.push(data));
-            settle(guard, policy, status, headers, recorder).await;
+            let kept = keep.then(|| {
+                if early_len > limit {
+                    return Outcome::NotReplayable;
+                }
+                let headers = || kept_headers(&head.headers, policy);
+                Outcome::Response(Arc::new(record(status, headers, &early)))
+            });
+            settle(guard, policy, kept).await;
             let body = match early.len() {
                 0 | 1 => early.pop().unwrap_or_default(),
                 _ => early.concat().into(),
@@ -493,8 +512,15 @@ impl Exchange {
             return;
         }
 
-        // A streamed body may take its time: keep the lease alive.
+        // A streamed body may take its time: keep the lease alive. The
+        // head goes to the client first: the record keeps copies.
         guard.start_renewal();
+        let headers: Option<Vec<_>> = keep.then(|| {
+            let kept = kept_headers(&head.headers, policy);
+            kept.map(|(name, value)| (name.clone(), value.clone())).collect()
+        });
+        // An answer that is not kept is recorded by a recorder that keeps nothing.
+        let recorder = Recorder::new(if keep { limit } else { 0 });
         let (tx, body_to_client) = ResponseBody::channel(CHANNEL_FRAMES);
         let client = reply.send(Response::from_parts(head, body_to_client)).ok().map(|_| tx);
         let mut relay = Relay {
@@ -534,7 +560,8 @@ impl Exchange {
         let Relay {
             client, held, recorder, ..
         } = relay;
-        settle(guard, policy, status, headers, recorder).await;
+        let kept = headers.map(|headers| recorder.outcome(status, &headers));
+        settle(guard, policy, kept).await;
         if let Some(tx) = client {
             let last = held.map(Frame::data).into_iter().chain(trailers.map(Frame::trailers));
             for frame in last {
@@ -580,38 +607,24 @@ impl Relay {
     }
 }
 
-/// Completes the record with the whole answer, or releases the claim when
-/// there are no `headers` to keep (a 5xx with `on_server_error = "release"`).
-async fn settle(
-    guard: ClaimGuard,
-    policy: &Policy,
-    status: StatusCode,
-    headers: Option<Vec<(HeaderName, HeaderValue)>>,
-    recorder: Recorder,
-) {
-    let Some(headers) = headers else {
-        guard.release().await;
-        return;
-    };
-    let outcome = if recorder.over_limit {
-        Outcome::NotReplayable
-    } else {
-        Outcome::Response(Arc::new(recorder.stored(status, headers)))
-    };
-    guard.complete(outcome, policy.ttl).await;
+/// Completes the record with `kept`, or releases the claim when nothing is
+/// kept (a 5xx with `on_server_error = "release"`).
+async fn settle(guard: ClaimGuard, policy: &Policy, kept: Option<Outcome>) {
+    match kept {
+        Some(outcome) => guard.complete(outcome, policy.ttl).await,
+        None => guard.release().await,
+    }
 }
 
 /// The response headers a record keeps: all but `replay_drop_headers`
-/// (copied out of the read buffer with the body, by [`Recorder::stored`]).
-fn stored_headers(headers: &HeaderMap, policy: &Policy) -> Vec<(HeaderName, HeaderValue)> {
-    // Sized once: a filtered iterator would grow the list as it goes.
-    let mut kept = Vec::with_capacity(headers.len());
-    for (name, value) in headers {
-        if !policy.replay_drop_headers.contains(name) {
-            kept.push((name.clone(), value.clone()));
-        }
-    }
-    kept
+/// (copied out of the read buffer with the body, by [`record`]).
+fn kept_headers<'a>(
+    headers: &'a HeaderMap,
+    policy: &'a Policy,
+) -> impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)> {
+    headers
+        .iter()
+        .filter(|(name, _)| !policy.replay_drop_headers.contains(name))
 }
 
 /// Applies `on_upstream_failure` and names the problem the first client gets.
