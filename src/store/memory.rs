@@ -1,15 +1,19 @@
 //! The in-process store: sharded maps behind `std::sync::Mutex`es (never
 //! held across an `.await`), leases and TTLs as deadlines swept by a
-//! background task, and a byte budget that evicts the oldest completed
-//! records first, a few at a time (never an in-flight claim).
+//! background task, and a byte budget that evicts the records completed
+//! (or refreshed) longest ago first, a few at a time (never an in-flight
+//! claim).
 //!
 //! The sweeper and the eviction read FIFO queues rather than sorted trees:
 //! deadlines set with one duration (a route's `ttl`, its `lock_timeout`)
 //! come due in the order they were set, so one queue per duration is
-//! sorted, and completions are queued in completion order. An entry whose
-//! deadline changed, or that left early, leaves a stale item behind, which
-//! is recognised by its sequence number and skipped when it reaches the
-//! front. Every operation on a record is O(1).
+//! sorted. The TTL queues are also the eviction order: a TTL is set when a
+//! record completes (or is refreshed), and its item carries a sequence
+//! number that grows with each, so the oldest record is at the front of
+//! one of them. An entry whose deadline changed, or that left early,
+//! leaves a stale item behind, which is recognised by its sequence number
+//! and skipped when it reaches the front. Every operation on a record is
+//! O(1).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -61,13 +65,13 @@ impl<T> std::ops::Deref for Padded<T> {
 #[derive(Default)]
 struct Shard {
     entries: KeyMap<RecordKey, Entry>,
-    /// Deadlines (lease or TTL ends) as they were set, one queue per
-    /// duration, each therefore in deadline order: for the sweeper. There
-    /// are a handful of durations (the routes' TTLs and leases): a list
-    /// finds one faster than a map.
-    deadlines: Vec<(Duration, DeadlineQueue)>,
-    /// Completions in completion order, for eviction.
-    completed: VecDeque<(u64, RecordKey)>,
+    /// Lease ends as they were set, one queue per duration, each therefore
+    /// in deadline order: for the sweeper. There are a handful of
+    /// durations (the routes' leases and TTLs): a list finds one faster
+    /// than a map.
+    leases: Vec<(Duration, DeadlineQueue)>,
+    /// TTL ends, likewise: for the sweeper, and for eviction.
+    ttls: Vec<(Duration, DeadlineQueue)>,
     bytes: usize,
     seq: u64,
 }
@@ -92,7 +96,6 @@ enum State {
     },
     Done {
         outcome: Outcome,
-        order: u64,
         size: usize,
     },
 }
@@ -163,22 +166,24 @@ impl Shard {
         Some(entry)
     }
 
-    /// Queues a deadline `lasting` from `now`; returns it for the entry.
-    fn queue_deadline(&mut self, key: &RecordKey, now: Instant, lasting: Duration) -> (Instant, u64) {
+    /// Queues a deadline `lasting` from `now` (a lease's, or with `ttl` a
+    /// record's time to live); returns it for the entry.
+    fn queue_deadline(&mut self, key: &RecordKey, now: Instant, lasting: Duration, ttl: bool) -> (Instant, u64) {
         let deadline = (now + lasting, self.next_seq());
-        let queue = match self.deadlines.iter().position(|(d, _)| *d == lasting) {
-            Some(at) => &mut self.deadlines[at].1,
+        let queues = if ttl { &mut self.ttls } else { &mut self.leases };
+        let queue = match queues.iter().position(|(d, _)| *d == lasting) {
+            Some(at) => &mut queues[at].1,
             None => {
-                self.deadlines.push((lasting, VecDeque::new()));
-                &mut self.deadlines.last_mut().expect("just pushed").1
+                queues.push((lasting, VecDeque::new()));
+                &mut queues.last_mut().expect("just pushed").1
             }
         };
         queue.push_back((deadline.0, deadline.1, *key));
         deadline
     }
 
-    fn set_deadline(&mut self, key: &RecordKey, now: Instant, lasting: Duration) {
-        let deadline = self.queue_deadline(key, now, lasting);
+    fn set_deadline(&mut self, key: &RecordKey, now: Instant, lasting: Duration, ttl: bool) {
+        let deadline = self.queue_deadline(key, now, lasting, ttl);
         if let Some(entry) = self.entries.get_mut(key) {
             entry.deadline = deadline;
         }
@@ -194,7 +199,7 @@ impl Shard {
     fn sweep(&mut self, now: Instant, limit: usize) -> usize {
         let mut due = Vec::new();
         let mut looked = 0;
-        for (_, queue) in &mut self.deadlines {
+        for (_, queue) in self.leases.iter_mut().chain(&mut self.ttls) {
             while looked < limit
                 && let Some(&(at, seq, key)) = queue.front()
                 && at <= now
@@ -204,18 +209,12 @@ impl Shard {
                 looked += 1;
             }
         }
-        self.deadlines.retain(|(_, queue)| !queue.is_empty());
+        self.leases.retain(|(_, queue)| !queue.is_empty());
+        self.ttls.retain(|(_, queue)| !queue.is_empty());
         for (seq, key) in due {
             if self.is_current(&key, seq) {
                 self.remove(&key);
             }
-        }
-        // Completions of entries that are gone: drop them from the front.
-        while let Some(&(order, key)) = self.completed.front() {
-            if self.is_completed(&key, order) {
-                break;
-            }
-            self.completed.pop_front();
         }
         self.compact();
         looked
@@ -229,24 +228,28 @@ impl Shard {
     fn compact(&mut self) {
         let bound = 2 * self.entries.len() + 1024;
         let entries = &self.entries;
-        for (_, queue) in &mut self.deadlines {
+        for (_, queue) in self.leases.iter_mut().chain(&mut self.ttls) {
             if queue.len() > bound {
                 queue.retain(|(_, seq, key)| entries.get(key).is_some_and(|e| e.deadline.1 == *seq));
             }
         }
-        if self.completed.len() > bound {
-            self.completed.retain(|(order, key)| {
-                entries
-                    .get(key)
-                    .is_some_and(|e| matches!(e.state, State::Done { order: o, .. } if o == *order))
-            });
-        }
     }
 
-    fn is_completed(&self, key: &RecordKey, order: u64) -> bool {
+    /// Whether `key` holds a completed record whose TTL item is `seq`.
+    fn is_completed(&self, key: &RecordKey, seq: u64) -> bool {
         self.entries
             .get(key)
-            .is_some_and(|e| matches!(e.state, State::Done { order: o, .. } if o == order))
+            .is_some_and(|e| e.deadline.1 == seq && matches!(e.state, State::Done { .. }))
+    }
+
+    /// The TTL queue whose front record was completed (or refreshed)
+    /// longest ago: the next to evict.
+    fn oldest_ttl(&mut self) -> Option<&mut DeadlineQueue> {
+        self.ttls
+            .iter_mut()
+            .map(|(_, queue)| queue)
+            .filter(|queue| !queue.is_empty())
+            .min_by_key(|queue| queue.front().map_or(u64::MAX, |&(_, seq, _)| seq))
     }
 
     /// The in-flight entry of `key` if `owner` holds it.
@@ -255,7 +258,8 @@ impl Shard {
             .filter(|e| matches!(e.state, State::InFlight { owner: o, .. } if o == owner))
     }
 
-    /// Evicts the oldest completed records, a batch at a time, until the
+    /// Evicts the records completed (or refreshed) longest ago, a batch at
+    /// a time, until the
     /// shard fits `budget`, but never `newest`, the record just written: a
     /// record larger than the budget stays, alone, rather than vanish as it
     /// is stored. The evicted entries go to `evicted`, to be dropped once
@@ -265,11 +269,12 @@ impl Shard {
             let mut batch = [(0, RecordKey([0; 32])); EVICT_BATCH];
             let mut taken = 0;
             while taken < EVICT_BATCH
-                && let Some(&oldest) = self.completed.front()
-                && oldest.1 != *newest
+                && let Some(queue) = self.oldest_ttl()
+                && let Some(&(_, seq, key)) = queue.front()
+                && key != *newest
             {
-                self.completed.pop_front();
-                batch[taken] = oldest;
+                queue.pop_front();
+                batch[taken] = (seq, key);
                 taken += 1;
             }
             if taken == 0 {
@@ -307,7 +312,7 @@ impl MemoryStore {
                 State::Done { outcome, .. } => {
                     let outcome = outcome.clone();
                     if let Some(ttl) = refresh_ttl.filter(|_| found == *fingerprint) {
-                        shard.set_deadline(key, now, ttl);
+                        shard.set_deadline(key, now, ttl, true);
                     }
                     Claim::Completed {
                         fingerprint: found,
@@ -316,7 +321,7 @@ impl MemoryStore {
                 }
             };
         }
-        let deadline = shard.queue_deadline(key, now, lease);
+        let deadline = shard.queue_deadline(key, now, lease, false);
         shard.entries.insert(
             *key,
             Entry {
@@ -332,18 +337,16 @@ impl MemoryStore {
     pub fn complete_now(&self, key: &RecordKey, owner: Owner, outcome: Outcome, ttl: Duration) -> bool {
         let now = coarse_now();
         let mut shard = self.shard(key);
-        let order = shard.next_seq();
         let size = outcome_size(&outcome);
         let Some(entry) = shard.owned(key, owner, now) else {
             return false;
         };
-        let previous = std::mem::replace(&mut entry.state, State::Done { outcome, order, size });
+        let previous = std::mem::replace(&mut entry.state, State::Done { outcome, size });
         if let State::InFlight { done: Some(done), .. } = previous {
             done.notify_waiters();
         }
-        shard.completed.push_back((order, *key));
         shard.bytes += size;
-        shard.set_deadline(key, now, ttl);
+        shard.set_deadline(key, now, ttl, true);
         let budget = self.shared.budget_per_shard;
         let mut evicted = Vec::new();
         shard.evict_to(budget, key, &mut evicted);
@@ -392,7 +395,7 @@ impl Store for MemoryStore {
         if shard.owned(key, owner, now).is_none() {
             return Ok(false);
         }
-        shard.set_deadline(key, now, lease);
+        shard.set_deadline(key, now, lease, false);
         Ok(true)
     }
 
@@ -553,6 +556,57 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn eviction_follows_completion_order_across_ttls_and_refreshes() {
+        // Twenty records of one shard fit its budget: the twenty-first
+        // evicts a batch, those completed (or refreshed) longest ago.
+        let size = outcome_size(&response(100));
+        let store = MemoryStore::new((SHARDS * size * 20) as u64);
+        let fp = Fingerprint([0; 32]);
+        let lease = Duration::from_secs(30);
+        let keys: Vec<RecordKey> = (0..u32::MAX)
+            .map(|i| {
+                let mut k = [0u8; 32];
+                k[..4].copy_from_slice(&i.to_be_bytes());
+                RecordKey(k)
+            })
+            .filter(|k| shard_of(k) == 0)
+            .take(21)
+            .collect();
+        // Two routes' TTLs, taking turns: two queues.
+        let ttl = |i: usize| Duration::from_secs(if i.is_multiple_of(2) { 3600 } else { 7200 });
+        for (i, key) in keys[..20].iter().enumerate() {
+            let owner = Owner(i as u128 + 1);
+            store.claim(key, &fp, owner, lease, None).await.unwrap();
+            assert!(store.complete(key, &fp, owner, response(100), ttl(i)).await.unwrap());
+        }
+        // A replay refreshes the oldest record's TTL: it is now the newest.
+        let refreshed = store
+            .claim(&keys[0], &fp, Owner(99), lease, Some(ttl(0)))
+            .await
+            .unwrap();
+        assert!(matches!(refreshed, Claim::Completed { .. }));
+        let owner = Owner(21);
+        store.claim(&keys[20], &fp, owner, lease, None).await.unwrap();
+        assert!(
+            store
+                .complete(&keys[20], &fp, owner, response(100), ttl(20))
+                .await
+                .unwrap()
+        );
+
+        let kept = |key: &RecordKey| {
+            let shard = store.shard(key);
+            shard.entries.contains_key(key)
+        };
+        // The batch's eight queue items were key 0's stale one (from before
+        // its refresh) and keys 1 to 7, from both queues: those went; the
+        // refreshed key 0 and keys 8 to 20 stayed.
+        for (i, key) in keys.iter().enumerate() {
+            assert_eq!(kept(key), !(1..=7).contains(&i), "key {i}");
+        }
+    }
+
+    #[tokio::test]
     async fn eviction_goes_a_batch_below_the_budget_at_most() {
         // Twenty records of one shard fit its budget.
         let size = outcome_size(&response(100));
@@ -626,8 +680,8 @@ mod tests {
         for shard in store.shared.shards.iter() {
             let shard = lock(shard);
             assert!(shard.entries.is_empty());
-            assert!(shard.deadlines.is_empty());
-            assert!(shard.completed.is_empty());
+            assert!(shard.leases.is_empty());
+            assert!(shard.ttls.is_empty());
             assert_eq!(shard.bytes, 0);
         }
     }
@@ -679,7 +733,7 @@ mod tests {
             let shard = lock(shard);
             let bound = 2 * shard.entries.len() + 1024;
             assert!(shard.entries.len() <= 16, "{}", shard.entries.len());
-            for (_, queue) in &shard.deadlines {
+            for (_, queue) in shard.leases.iter().chain(&shard.ttls) {
                 assert!(
                     queue.len() <= bound,
                     "{} queued for {} entries",
@@ -687,7 +741,6 @@ mod tests {
                     shard.entries.len()
                 );
             }
-            assert!(shard.completed.len() <= bound);
         }
     }
 }
