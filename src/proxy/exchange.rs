@@ -274,16 +274,18 @@ impl Recorder {
             self.chunks.push(data.clone());
         }
     }
+}
 
-    /// What the record keeps: the answer kept by [`record`], or
-    /// `NotReplayable` when it grew past the limit.
-    fn outcome(self, status: StatusCode, headers: &[(HeaderName, HeaderValue)]) -> Outcome {
-        if self.over_limit {
-            return Outcome::NotReplayable;
-        }
-        let headers = || headers.iter().map(|(name, value)| (name, value));
-        Outcome::Response(Arc::new(record(status, headers, &self.chunks)))
+/// What a record keeps of an answer: the answer itself (see [`record`]),
+/// or `NotReplayable` when its body went past the limit.
+fn kept<'a, I>(over_limit: bool, status: StatusCode, headers: impl Fn() -> I, chunks: &[Bytes]) -> Outcome
+where
+    I: Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
+{
+    if over_limit {
+        return Outcome::NotReplayable;
     }
+    Outcome::Response(Arc::new(record(status, headers, chunks)))
 }
 
 /// The stored answer, its header values and body in one buffer of its own.
@@ -496,14 +498,9 @@ impl Exchange {
             }
         }
         if whole && trailers.is_none() {
-            let kept = keep.then(|| {
-                if early_len > limit {
-                    return Outcome::NotReplayable;
-                }
-                let headers = || kept_headers(&head.headers, policy);
-                Outcome::Response(Arc::new(record(status, headers, &early)))
-            });
-            settle(guard, policy, kept).await;
+            let headers = || kept_headers(&head.headers, policy);
+            let outcome = keep.then(|| kept(early_len > limit, status, headers, &early));
+            settle(guard, policy, outcome).await;
             let body = match early.len() {
                 0 | 1 => early.pop().unwrap_or_default(),
                 _ => early.concat().into(),
@@ -560,8 +557,11 @@ impl Exchange {
         let Relay {
             client, held, recorder, ..
         } = relay;
-        let kept = headers.map(|headers| recorder.outcome(status, &headers));
-        settle(guard, policy, kept).await;
+        let outcome = headers.map(|headers| {
+            let headers = || headers.iter().map(|(name, value)| (name, value));
+            kept(recorder.over_limit, status, headers, &recorder.chunks)
+        });
+        settle(guard, policy, outcome).await;
         if let Some(tx) = client {
             let last = held.map(Frame::data).into_iter().chain(trailers.map(Frame::trailers));
             for frame in last {
@@ -607,10 +607,10 @@ impl Relay {
     }
 }
 
-/// Completes the record with `kept`, or releases the claim when nothing is
-/// kept (a 5xx with `on_server_error = "release"`).
-async fn settle(guard: ClaimGuard, policy: &Policy, kept: Option<Outcome>) {
-    match kept {
+/// Completes the record with `outcome`, or releases the claim when nothing
+/// is kept (a 5xx with `on_server_error = "release"`).
+async fn settle(guard: ClaimGuard, policy: &Policy, outcome: Option<Outcome>) {
+    match outcome {
         Some(outcome) => guard.complete(outcome, policy.ttl).await,
         None => guard.release().await,
     }

@@ -231,9 +231,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         }
     }
 
-    /// Reads into the buffer. The deadline is set (and the timer armed)
-    /// only when a read first has to wait; shutdown interrupts the wait only
-    /// while `idle`.
+    /// Reads into the buffer. The deadline is set only when a read first
+    /// has to wait (see [`Connection::poll_due`]); shutdown interrupts the
+    /// wait only while `idle`.
     async fn fill(&mut self, idle: bool, deadline: &mut Option<Instant>) -> io::Result<Wait> {
         self.make_room();
         std::future::poll_fn(|cx| {
@@ -245,18 +245,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             if idle && self.shutdown.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(Ok(Wait::Shutdown));
             }
-            let timeout = self.timeout;
-            let due = *deadline.get_or_insert_with(|| coarse_now() + timeout);
-            self.poll_due(cx, due).map(|()| Ok(Wait::TimedOut))
+            self.poll_due(cx, deadline).map(|()| Ok(Wait::TimedOut))
         })
         .await
     }
 
-    /// Ready once `due` has passed. The timer is moved only when it would
+    /// Ready once `due` has passed; `due` is set to the timeout from now
+    /// when the wait first polls. The timer is moved only when it would
     /// fall due after `due`, or when it falls due before it: most waits end
     /// long before their deadline, and moving the timer for every one would
     /// cost a trip through the runtime's timer wheel per request.
-    fn poll_due(&mut self, cx: &mut Context<'_>, due: Instant) -> Poll<()> {
+    fn poll_due(&mut self, cx: &mut Context<'_>, due: &mut Option<Instant>) -> Poll<()> {
+        let timeout = self.timeout;
+        let due = *due.get_or_insert_with(|| coarse_now() + timeout);
         if self.timer.deadline() > due {
             self.timer.as_mut().reset(due);
         }
@@ -441,8 +442,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     /// A write is waiting on the client: pending until the timeout, counted
     /// from when it started waiting.
     fn stalled(&mut self, cx: &mut Context<'_>, due: &mut Option<Instant>) -> Poll<io::Result<()>> {
-        let timeout = self.timeout;
-        let due = *due.get_or_insert_with(|| coarse_now() + timeout);
         self.poll_due(cx, due).map(|()| Err(io::ErrorKind::TimedOut.into()))
     }
 

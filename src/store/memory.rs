@@ -261,10 +261,9 @@ impl Shard {
     }
 
     /// Evicts the records completed (or refreshed) longest ago, a batch at
-    /// a time, until the
-    /// shard fits `budget`, but never `newest`, the record just written: a
-    /// record larger than the budget stays, alone, rather than vanish as it
-    /// is stored. The evicted entries go to `evicted`, to be dropped once
+    /// a time, until the shard fits `budget`, but never `newest`, the
+    /// record just written: a record larger than the budget stays, alone,
+    /// rather than vanish as it is stored. The evicted entries go to `evicted`, to be dropped once
     /// the shard's lock is let go (see [`drop_evicted`]).
     fn evict_to(&mut self, budget: usize, newest: &RecordKey, evicted: &mut Vec<Entry>) {
         while self.bytes > budget {
@@ -506,6 +505,17 @@ mod tests {
     use bytes::Bytes;
     use http::StatusCode;
 
+    /// Record keys that fall in shard `shard`.
+    fn keys_of_shard(shard: usize) -> impl Iterator<Item = RecordKey> {
+        (0..u32::MAX)
+            .map(|i| {
+                let mut k = [0u8; 32];
+                k[..4].copy_from_slice(&i.to_be_bytes());
+                RecordKey(k)
+            })
+            .filter(move |k| shard_of(k) == shard)
+    }
+
     fn response(len: usize) -> Outcome {
         Outcome::Response(Arc::new(StoredResponse {
             status: StatusCode::CREATED,
@@ -521,12 +531,7 @@ mod tests {
         let lease = Duration::from_secs(30);
         let ttl = Duration::from_secs(3600);
         // Eleven keys of one shard.
-        let mut same_shard = (0..u32::MAX).map(|i| {
-            let mut k = [0u8; 32];
-            k[..4].copy_from_slice(&i.to_be_bytes());
-            RecordKey(k)
-        });
-        let keys: Vec<RecordKey> = same_shard.by_ref().filter(|k| shard_of(k) == 0).take(11).collect();
+        let keys: Vec<RecordKey> = keys_of_shard(0).take(11).collect();
         let key = |i: u8| keys[(i as usize).min(10)];
         let in_flight = key(10);
         assert_eq!(
@@ -565,15 +570,7 @@ mod tests {
         let store = MemoryStore::new((SHARDS * size * 20) as u64);
         let fp = Fingerprint([0; 32]);
         let lease = Duration::from_secs(30);
-        let keys: Vec<RecordKey> = (0..u32::MAX)
-            .map(|i| {
-                let mut k = [0u8; 32];
-                k[..4].copy_from_slice(&i.to_be_bytes());
-                RecordKey(k)
-            })
-            .filter(|k| shard_of(k) == 0)
-            .take(21)
-            .collect();
+        let keys: Vec<RecordKey> = keys_of_shard(0).take(21).collect();
         // Two routes' TTLs, taking turns: two queues.
         let ttl = |i: usize| Duration::from_secs(if i.is_multiple_of(2) { 3600 } else { 7200 });
         for (i, key) in keys[..20].iter().enumerate() {
@@ -614,14 +611,7 @@ mod tests {
         let size = outcome_size(&response(100));
         let store = MemoryStore::new((SHARDS * size * 20) as u64);
         let fp = Fingerprint([0; 32]);
-        let keys = (0..u32::MAX)
-            .map(|i| {
-                let mut k = [0u8; 32];
-                k[..4].copy_from_slice(&i.to_be_bytes());
-                RecordKey(k)
-            })
-            .filter(|k| shard_of(k) == 3);
-        for (i, key) in keys.take(100).enumerate() {
+        for (i, key) in keys_of_shard(3).take(100).enumerate() {
             let owner = Owner(i as u128);
             store
                 .claim(&key, &fp, owner, Duration::from_secs(30), None)
