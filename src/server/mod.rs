@@ -1,4 +1,4 @@
-//! The listeners: the proxy's accept loop (HTTP/1.1 by our own [`h1`]
+//! The listeners: the proxy's accept loop (HTTP/1.1 by our own `h1`
 //! connection, HTTP/2 by hyper, chosen by ALPN or the HTTP/2 preface), the
 //! admin listener, and graceful shutdown.
 

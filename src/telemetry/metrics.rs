@@ -5,7 +5,7 @@
 //! Every request updates a dozen of them, from whichever worker thread
 //! serves it. Kept in one place, each update would pull the cache line from
 //! the other core first; so each metric keeps a slot per thread (see
-//! [`PerThread`]), and the exposition adds the slots up.
+//! `PerThread`), and the exposition adds the slots up.
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
