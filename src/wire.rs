@@ -215,13 +215,22 @@ pub mod names {
     /// The longest name kept.
     const MAX_KEPT: usize = 64;
 
+    /// A name as a peer spelled it, and the name.
+    struct Seen {
+        spelling: [u8; MAX_KEPT],
+        len: usize,
+        name: HeaderName,
+    }
+
     thread_local! {
-        static SEEN: RefCell<[Option<HeaderName>; SLOTS]> = const { RefCell::new([const { None }; SLOTS]) };
+        static SEEN: RefCell<[Option<Seen>; SLOTS]> = const { RefCell::new([const { None }; SLOTS]) };
     }
 
     /// `HeaderName::from_bytes`, from a direct-mapped cache when it holds
-    /// the name (compared ignoring ASCII case, as names are; a name equal to
-    /// a valid one but for case is valid too).
+    /// the name. A peer spells a name the same way each time, so the cache
+    /// keeps the last spelling too: the usual hit is one comparison of
+    /// bytes. Another spelling of the same name (names ignore ASCII case) is
+    /// a hit as well, and becomes the kept spelling.
     pub fn intern(bytes: &[u8]) -> Result<HeaderName, InvalidHeaderName> {
         // Long names are not kept: a client cycling them would pin their
         // buffers in the slots.
@@ -233,13 +242,24 @@ pub mod names {
         }
         let slot = (bytes.len() * 31 + usize::from(first | 0x20) * 7 + usize::from(last | 0x20)) % SLOTS;
         SEEN.with_borrow_mut(|seen| {
-            if let Some(name) = &seen[slot]
-                && name.as_str().as_bytes().eq_ignore_ascii_case(bytes)
-            {
-                return Ok(name.clone());
+            if let Some(kept) = &mut seen[slot] {
+                if &kept.spelling[..kept.len] == bytes {
+                    return Ok(kept.name.clone());
+                }
+                if kept.name.as_str().as_bytes().eq_ignore_ascii_case(bytes) {
+                    kept.spelling[..bytes.len()].copy_from_slice(bytes);
+                    kept.len = bytes.len();
+                    return Ok(kept.name.clone());
+                }
             }
             let name = HeaderName::from_bytes(bytes)?;
-            seen[slot] = Some(name.clone());
+            let mut spelling = [0; MAX_KEPT];
+            spelling[..bytes.len()].copy_from_slice(bytes);
+            seen[slot] = Some(Seen {
+                spelling,
+                len: bytes.len(),
+                name: name.clone(),
+            });
             Ok(name)
         })
     }
