@@ -130,6 +130,62 @@ pub fn tokens(headers: &HeaderMap, name: HeaderName) -> impl DoubleEndedIterator
         .filter(|t| !t.is_empty())
 }
 
+/// What a head's framing reads, noted header by header while the head is
+/// parsed: framing the usual head (at most a `Connection`, no
+/// `Transfer-Encoding`, one `Content-Length`) then looks up nothing but
+/// the length.
+#[derive(Clone, Copy, Default)]
+pub struct Noted {
+    pub hosts: usize,
+    pub content_lengths: usize,
+    pub transfer_encoding: bool,
+    pub expect: bool,
+    /// A `close` token in `Connection`.
+    pub close: bool,
+    /// A `keep-alive` token in `Connection`.
+    pub keep_alive: bool,
+}
+
+impl Noted {
+    /// The notes on a whole map, as if its headers had been parsed.
+    #[cfg(test)]
+    pub fn of(headers: &HeaderMap) -> Noted {
+        let mut noted = Noted::default();
+        for (name, value) in headers {
+            noted.note(name, value);
+        }
+        noted
+    }
+
+    pub fn note(&mut self, name: &HeaderName, value: &HeaderValue) {
+        use http::header;
+        if name == header::CONNECTION {
+            // As `tokens`: a value that is not text has none.
+            for token in value.to_str().unwrap_or("").split(',').map(str::trim) {
+                self.close |= token.eq_ignore_ascii_case("close");
+                self.keep_alive |= token.eq_ignore_ascii_case("keep-alive");
+            }
+        } else if name == header::CONTENT_LENGTH {
+            self.content_lengths += 1;
+        } else if name == header::HOST {
+            self.hosts += 1;
+        } else if name == header::TRANSFER_ENCODING {
+            self.transfer_encoding = true;
+        } else if name == header::EXPECT {
+            self.expect = true;
+        }
+    }
+
+    /// The `content-length`, as [`content_length`], with no lookup when
+    /// there is none.
+    pub fn content_length(&self, headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
+        if self.content_lengths == 0 {
+            return Ok(None);
+        }
+        content_length(headers)
+    }
+}
+
 /// The `content-length` (RFC 9112 §6.3): repeats of one value are one
 /// value; differing, empty or malformed values (not ASCII digits) are
 /// errors, never read as no length.
@@ -282,6 +338,8 @@ pub mod names {
             intern(b"x-a").unwrap();
             assert!(intern(b"x a").is_err());
             assert_eq!(intern(b"X-A").unwrap(), "x-a");
+            assert_eq!(intern(b"X-A").unwrap(), "x-a");
+            assert_eq!(intern(b"x-a").unwrap(), "x-a");
             let long = "x".repeat(MAX_KEPT + 1);
             assert_eq!(intern(long.as_bytes()).unwrap().as_str(), long);
         }

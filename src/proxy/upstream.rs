@@ -14,6 +14,7 @@
 
 use std::cell::RefCell;
 use std::io;
+use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,6 +28,7 @@ use http::{Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use rustls_pki_types::ServerName;
+use smallvec::SmallVec;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -427,23 +429,22 @@ enum Framing {
 async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Framing, bool), UpstreamError> {
     loop {
         if !conn.buf.is_empty() {
-            let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-            let mut parsed = httparse::Response::new(&mut headers);
-            match parsed.parse(&conn.buf) {
+            let mut slots = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+            let mut parsed = httparse::Response::new(&mut []);
+            let config = httparse::ParserConfig::default();
+            match config.parse_response_with_uninit_headers(&mut parsed, &conn.buf, &mut slots) {
                 Ok(httparse::Status::Complete(length)) => {
                     let code = parsed.code.unwrap_or(0);
                     let minor = parsed.version.unwrap_or(0);
                     // Offsets of each header in the buffer, to slice it
                     // once it is split off: no copy of the values.
                     let base = conn.buf.as_ptr() as usize;
-                    // (Sized up front: collecting through a Result cannot
-                    // know the length, and regrew the vector every time.)
-                    let mut offsets = Vec::with_capacity(parsed.headers.len());
-                    for h in parsed.headers.iter() {
-                        let name = wire::names::intern(h.name.as_bytes())
-                            .map_err(|_| UpstreamError::Protocol("a header name is not valid"))?;
-                        offsets.push((name, h.value.as_ptr() as usize - base, h.value.len()));
-                    }
+                    let at = |s: &[u8]| s.as_ptr() as usize - base;
+                    let offsets: SmallVec<[_; 16]> = parsed
+                        .headers
+                        .iter()
+                        .map(|h| (at(h.name.as_bytes()), h.name.len(), at(h.value), h.value.len()))
+                        .collect();
                     let head = conn.buf.split_to(length).freeze();
                     let status = StatusCode::from_u16(code).map_err(|_| UpstreamError::Protocol("bad status"))?;
                     if status.is_informational() {
@@ -457,13 +458,17 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                     *response.version_mut() = if minor == 1 { Version::HTTP_11 } else { Version::HTTP_10 };
                     let headers = response.headers_mut();
                     headers.reserve(offsets.len());
-                    for (name, start, len) in offsets {
+                    let mut noted = wire::Noted::default();
+                    for &(name_at, name_len, start, len) in &offsets {
+                        let name = wire::names::intern(&head[name_at..name_at + name_len])
+                            .map_err(|_| UpstreamError::Protocol("a header name is not valid"))?;
                         let value = HeaderValue::from_maybe_shared(head.slice(start..start + len))
                             .map_err(|_| UpstreamError::Protocol("a header value is not valid"))?;
+                        noted.note(&name, &value);
                         headers.append(name, value);
                     }
-                    let (framing, keep_alive) = framing(&response, head_only, minor)?;
-                    if response.headers().contains_key(header::TRANSFER_ENCODING) {
+                    let (framing, keep_alive) = framing(&response, &noted, head_only, minor)?;
+                    if noted.transfer_encoding {
                         // RFC 9112 §6.3: Transfer-Encoding overrides it, and
                         // passed on it would misframe the answer downstream.
                         response.headers_mut().remove(header::CONTENT_LENGTH);
@@ -487,21 +492,21 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
 }
 
 /// The body's framing (RFC 9112 §6.3) and whether the connection stays open.
-fn framing(response: &Response<()>, head_only: bool, minor: u8) -> Result<(Framing, bool), UpstreamError> {
+fn framing(
+    response: &Response<()>,
+    noted: &wire::Noted,
+    head_only: bool,
+    minor: u8,
+) -> Result<(Framing, bool), UpstreamError> {
     let headers = response.headers();
-    let tokens = |name| wire::tokens(headers, name);
-    let keep_alive = if minor == 1 {
-        !tokens(header::CONNECTION).any(|t| t.eq_ignore_ascii_case("close"))
-    } else {
-        tokens(header::CONNECTION).any(|t| t.eq_ignore_ascii_case("keep-alive"))
-    };
+    let keep_alive = if minor == 1 { !noted.close } else { noted.keep_alive };
     let status = response.status();
     if head_only || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
         return Ok((Framing::Empty, keep_alive));
     }
-    if headers.contains_key(header::TRANSFER_ENCODING) {
+    if noted.transfer_encoding {
         if minor == 1
-            && tokens(header::TRANSFER_ENCODING)
+            && wire::tokens(headers, header::TRANSFER_ENCODING)
                 .next_back()
                 .is_some_and(|t| t.eq_ignore_ascii_case("chunked"))
         {
@@ -509,7 +514,7 @@ fn framing(response: &Response<()>, head_only: bool, minor: u8) -> Result<(Frami
         }
         return Ok((Framing::Close, false));
     }
-    let length = wire::content_length(headers).map_err(UpstreamError::Protocol)?;
+    let length = noted.content_length(headers).map_err(UpstreamError::Protocol)?;
     Ok(match length {
         Some(0) => (Framing::Empty, keep_alive),
         Some(length) => (Framing::Length(length), keep_alive),
@@ -646,6 +651,7 @@ mod tests {
             }
             r
         };
+        let framing = |r: &Response<()>, head: bool, minor: u8| framing(r, &wire::Noted::of(r.headers()), head, minor);
         let f = |r: &Response<()>, head: bool, minor: u8| framing(r, head, minor).unwrap();
         assert!(matches!(
             f(&response(200, &[("content-length", "3")]), false, 1),

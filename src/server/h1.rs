@@ -37,6 +37,7 @@ use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body;
+use smallvec::SmallVec;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
@@ -711,32 +712,38 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
     let path_at = (path.as_ptr() as usize - base, path.len());
     // (name start, name end, value start, value end); a head is at most
     // a few times MAX_HEAD long, far below u32::MAX.
-    let mut offsets = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
-    let count = parsed.headers.len();
+    // (Inline up to the usual number of headers: no zeroing of a
+    // `MAX_HEADERS` array, no allocation.)
     let at = |s: &[u8]| (s.as_ptr() as usize - base) as u32;
-    for (slot, h) in offsets.iter_mut().zip(parsed.headers.iter()) {
-        let (name, value) = (h.name.as_bytes(), h.value);
-        *slot = (
-            at(name),
-            at(name) + name.len() as u32,
-            at(value),
-            at(value) + value.len() as u32,
-        );
-    }
+    let offsets: SmallVec<[_; 16]> = parsed
+        .headers
+        .iter()
+        .map(|h| {
+            let (name, value) = (h.name.as_bytes(), h.value);
+            (
+                at(name),
+                at(name) + name.len() as u32,
+                at(value),
+                at(value) + value.len() as u32,
+            )
+        })
+        .collect();
     let head = buf.split_to(length).freeze();
     let uri = Uri::from_maybe_shared(head.slice(path_at.0..path_at.0 + path_at.1))
         .map_err(|_| bad("the request target is not valid"))?;
     // Room for the X-Forwarded-* headers the upstream request adds, so the
     // map is not regrown on the way.
-    let mut headers = HeaderMap::with_capacity(count + 4);
-    for &(name_start, name_end, start, end) in &offsets[..count] {
+    let mut headers = HeaderMap::with_capacity(offsets.len() + 4);
+    let mut noted = wire::Noted::default();
+    for &(name_start, name_end, start, end) in &offsets {
         let name = wire::names::intern(&head[name_start as usize..name_end as usize])
             .map_err(|_| bad("a header name is not valid"))?;
         let value = HeaderValue::from_maybe_shared(head.slice(start as usize..end as usize))
             .map_err(|_| bad("a header value is not valid"))?;
+        noted.note(&name, &value);
         headers.append(name, value);
     }
-    let (framing, keep_alive, expect_continue) = framing(&headers, version)?;
+    let (framing, keep_alive, expect_continue) = framing(&headers, &noted, version)?;
     Ok(Some(Head {
         request: Parsed {
             method,
@@ -752,32 +759,30 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
 
 /// A request's body framing (RFC 9112 §6), whether the connection may
 /// carry another request, and whether the client waits for `100 Continue`.
-fn framing(headers: &HeaderMap, version: Version) -> Result<(BodyFraming, bool, bool), Refusal> {
-    let tokens = |name| wire::tokens(headers, name);
-    let connection = |token: &str| tokens(header::CONNECTION).any(|t| t.eq_ignore_ascii_case(token));
+fn framing(headers: &HeaderMap, noted: &wire::Noted, version: Version) -> Result<(BodyFraming, bool, bool), Refusal> {
     let keep_alive = if version == Version::HTTP_11 {
-        !headers.contains_key(header::CONNECTION) || !connection("close")
+        !noted.close
     } else {
-        connection("keep-alive")
+        noted.keep_alive
     };
     // RFC 9112 §3.2, as nginx: one Host on HTTP/1.1, never two.
-    let mut hosts = headers.get_all(header::HOST).iter();
-    if hosts.next().is_none() && version == Version::HTTP_11 {
+    if noted.hosts == 0 && version == Version::HTTP_11 {
         return Err(Refusal::BadRequest("an HTTP/1.1 request needs a host header"));
     }
-    if hosts.next().is_some() {
+    if noted.hosts > 1 {
         return Err(Refusal::BadRequest("a request has one host header, not more"));
     }
     let expect_continue = version == Version::HTTP_11
+        && noted.expect
         && headers
             .get(header::EXPECT)
             .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
     let bad = Refusal::BadRequest;
-    if headers.contains_key(header::TRANSFER_ENCODING) {
+    if noted.transfer_encoding {
         if version != Version::HTTP_11 {
             return Err(bad("HTTP/1.0 has no transfer codings"));
         }
-        if headers.contains_key(header::CONTENT_LENGTH) {
+        if noted.content_lengths > 0 {
             return Err(bad("a request cannot have both transfer-encoding and content-length"));
         }
         // Exactly `chunked`: another coding would reach the backend
@@ -791,7 +796,7 @@ fn framing(headers: &HeaderMap, version: Version) -> Result<(BodyFraming, bool, 
         }
         return Ok((BodyFraming::Chunked, keep_alive, expect_continue));
     }
-    let length = wire::content_length(headers).map_err(bad)?;
+    let length = noted.content_length(headers).map_err(bad)?;
     Ok((BodyFraming::Length(length.unwrap_or(0)), keep_alive, expect_continue))
 }
 
