@@ -29,24 +29,35 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 
 /// Removes hop-by-hop headers, including every header `Connection` names.
 ///
-/// Only the names present are removed: a head usually has none, or just
-/// `Connection: keep-alive`, and each removal is a hash and a probe.
+/// A head usually has none, or just `Connection: keep-alive`: one pass over
+/// the names tells which, with nothing allocated, and each removal is a
+/// hash and a probe.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let is_hop = |name: &HeaderName| HOP_BY_HOP.contains(name) || name == header::TRAILER;
-    let mut present: Vec<HeaderName> = headers.keys().filter(|name| is_hop(name)).cloned().collect();
-    if present.is_empty() {
-        return;
+    let (mut connection, mut others) = (false, false);
+    for name in headers.keys() {
+        if name == header::CONNECTION {
+            connection = true;
+        } else if HOP_BY_HOP.contains(name) || name == header::TRAILER {
+            others = true;
+        }
     }
-    // `Connection: keep-alive`, the usual value, names a header that is
-    // removed anyway: no need to parse it.
-    if present.contains(&header::CONNECTION) {
-        let named = crate::wire::tokens(headers, header::CONNECTION)
-            .filter(|name| !name.eq_ignore_ascii_case("keep-alive"))
-            .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok());
-        present.extend(named);
+    if connection && let Entry::Occupied(entry) = headers.entry(header::CONNECTION) {
+        // Its values as they are removed: one lookup. `keep-alive` is
+        // hop-by-hop anyway: removed below when present.
+        let mut named = Vec::new();
+        for value in entry.remove_entry_mult().1 {
+            let tokens = value.to_str().unwrap_or("").split(',').map(str::trim);
+            let tokens = tokens.filter(|t| !t.is_empty() && !t.eq_ignore_ascii_case("keep-alive"));
+            named.extend(tokens.filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok()));
+        }
+        for name in &named {
+            headers.remove(name);
+        }
     }
-    for name in &present {
-        headers.remove(name);
+    if others {
+        for name in HOP_BY_HOP[1..].iter().chain([&header::TRAILER]) {
+            headers.remove(name);
+        }
     }
 }
 
@@ -184,6 +195,13 @@ mod tests {
         h.insert(header::TRAILER, HeaderValue::from_static("x-sum"));
         strip_hop_by_hop(&mut h);
         assert!(h.is_empty());
+        let mut h = HeaderMap::new();
+        h.append(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+        h.append(header::CONNECTION, HeaderValue::from_static("x-secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.keys().collect::<Vec<_>>(), ["x-kept"]);
     }
 
     #[test]

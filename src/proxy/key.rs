@@ -53,10 +53,12 @@ pub fn from_header(policy: &KeyPolicy, headers: &HeaderMap) -> Result<Option<Str
 fn parse(raw: &[u8]) -> Option<String> {
     let visible = |b: u8| (0x21..=0x7e).contains(&b);
     let Some(quoted) = raw.strip_prefix(b"\"") else {
+        // Visible ASCII is UTF-8: the check cannot fail.
         return raw
             .iter()
             .all(|&b| visible(b))
-            .then(|| String::from_utf8_lossy(raw).into_owned());
+            .then(|| String::from_utf8(raw.to_vec()).ok())
+            .flatten();
     };
     let inner = quoted.strip_suffix(b"\"")?;
     let mut key = Vec::with_capacity(inner.len());
