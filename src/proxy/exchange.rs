@@ -19,6 +19,7 @@ use futures_util::FutureExt;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
+use smallvec::SmallVec;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -278,10 +279,7 @@ impl Recorder {
 
 /// What a record keeps of an answer: the answer itself (see [`record`]),
 /// or `NotReplayable` when its body went past the limit.
-fn kept<'a, I>(over_limit: bool, status: StatusCode, headers: impl Fn() -> I, chunks: &[Bytes]) -> Outcome
-where
-    I: Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
-{
+fn kept(over_limit: bool, status: StatusCode, headers: &[(&HeaderName, &HeaderValue)], chunks: &[Bytes]) -> Outcome {
     if over_limit {
         return Outcome::NotReplayable;
     }
@@ -292,18 +290,15 @@ where
 /// The header values and chunks are slices of the connection's read buffer:
 /// keeping one would pin the whole buffer (kilobytes for an answer of a few
 /// bytes) for as long as the record. One buffer is one allocation to make
-/// and, when the record goes, one to free. `headers` gives the kept headers
-/// (twice: once to size the buffer), borrowed, so nothing is cloned (each
-/// clone of a slice is an atomic count on the read buffer) only to be
-/// copied and dropped.
-fn record<'a, I>(status: StatusCode, headers: impl Fn() -> I, chunks: &[Bytes]) -> StoredResponse
-where
-    I: Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
-{
-    let values: usize = headers().map(|(_, value)| value.len()).sum();
+/// and, when the record goes, one to free. `headers` are the kept headers,
+/// borrowed, so nothing is cloned (each clone of a slice is an atomic count
+/// on the read buffer) only to be copied and dropped; a list rather than
+/// the map, which is slower to walk three times.
+fn record(status: StatusCode, headers: &[(&HeaderName, &HeaderValue)], chunks: &[Bytes]) -> StoredResponse {
+    let values: usize = headers.iter().map(|(_, value)| value.len()).sum();
     let body: usize = chunks.iter().map(Bytes::len).sum();
     let mut block = BytesMut::with_capacity(values + body);
-    for (_, value) in headers() {
+    for (_, value) in headers {
         block.extend_from_slice(value.as_bytes());
     }
     for chunk in chunks {
@@ -311,8 +306,9 @@ where
     }
     let block = block.freeze();
     let mut at = 0;
-    let headers = headers()
-        .map(|(name, value)| {
+    let headers = headers
+        .iter()
+        .map(|&(name, value)| {
             let slice = block.slice(at..at + value.len());
             at += value.len();
             let mut stored = HeaderValue::from_maybe_shared(slice).expect("a header value stays valid");
@@ -463,7 +459,9 @@ impl Exchange {
         // Take the frames that have already arrived. When they are the
         // whole body (the common case for small answers), the record is
         // completed and the answer sent whole: no channel, no added delay.
-        let mut early: Vec<Bytes> = Vec::new();
+        // (Inline: a small answer is one or two frames, and a Vec would be an
+        // allocation per request.)
+        let mut early: SmallVec<[Bytes; 2]> = SmallVec::new();
         let mut early_len = 0;
         let mut trailers: Option<HeaderMap> = None;
         let mut whole = body.is_end_stream();
@@ -498,8 +496,10 @@ impl Exchange {
             }
         }
         if whole && trailers.is_none() {
-            let headers = || kept_headers(&head.headers, policy);
-            let outcome = keep.then(|| kept(early_len > limit, status, headers, &early));
+            let outcome = keep.then(|| {
+                let headers: SmallVec<[_; 16]> = kept_headers(&head.headers, policy).collect();
+                kept(early_len > limit, status, &headers, &early)
+            });
             settle(guard, policy, outcome).await;
             let body = match early.len() {
                 0 | 1 => early.pop().unwrap_or_default(),
@@ -558,8 +558,8 @@ impl Exchange {
             client, held, recorder, ..
         } = relay;
         let outcome = headers.map(|headers| {
-            let headers = || headers.iter().map(|(name, value)| (name, value));
-            kept(recorder.over_limit, status, headers, &recorder.chunks)
+            let headers: SmallVec<[_; 16]> = headers.iter().map(|(name, value)| (name, value)).collect();
+            kept(recorder.over_limit, status, &headers, &recorder.chunks)
         });
         settle(guard, policy, outcome).await;
         if let Some(tx) = client {
