@@ -343,11 +343,10 @@ pub async fn run(tracker: &TaskTracker, exchange: Exchange) -> Response<Response
     // wherever it ends up running.
     // (When nothing records the span, the future is boxed as it is: the
     // wrapper would only cost a copy of it.)
-    let span = Span::current();
-    let exchange: Pin<Box<dyn Future<Output = ()> + Send>> = if span.is_disabled() {
-        Box::pin(exchange.drive(reply))
-    } else {
-        Box::pin(exchange.drive(reply).instrument(span))
+    let span = tracing::level_enabled!(tracing::Level::INFO).then(Span::current);
+    let exchange: Pin<Box<dyn Future<Output = ()> + Send>> = match span {
+        Some(span) if !span.is_disabled() => Box::pin(exchange.drive(reply).instrument(span)),
+        _ => Box::pin(exchange.drive(reply)),
     };
     let mut handoff = Handoff {
         tracker,

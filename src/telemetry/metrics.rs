@@ -160,7 +160,9 @@ impl RouteCounters {
     /// Counts `outcome`, and records it on the current request span.
     pub fn count(&self, outcome: Outcome) {
         self.counts.local()[outcome as usize].fetch_add(1, Ordering::Relaxed);
-        tracing::Span::current().record("outcome", outcome.name());
+        if tracing::level_enabled!(tracing::Level::INFO) {
+            tracing::Span::current().record("outcome", outcome.name());
+        }
     }
 
     pub fn get(&self, outcome: Outcome) -> u64 {
