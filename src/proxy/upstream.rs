@@ -102,12 +102,25 @@ pub fn client(config: &UpstreamConfig) -> Result<UpstreamClient, TlsError> {
 
 /// Where pooled connections go: one client, one runtime (a connection is
 /// registered with the runtime that made it), one scheme and authority.
-#[derive(Clone, PartialEq)]
+#[derive(Clone)]
 struct PoolKey {
     client: u64,
     runtime: Option<tokio::runtime::Id>,
     https: bool,
     authority: Authority,
+}
+
+/// The authorities compare as written: they come from one configured URL,
+/// and `Authority`'s own comparison ignores case byte by byte, twice per
+/// request (out of the pool and back). Two spellings of one host would
+/// only mean two pools.
+impl PartialEq for PoolKey {
+    fn eq(&self, other: &PoolKey) -> bool {
+        self.client == other.client
+            && self.runtime == other.runtime
+            && self.https == other.https
+            && self.authority.as_str() == other.authority.as_str()
+    }
 }
 
 thread_local! {
