@@ -1,6 +1,7 @@
 //! HTTP/1.1 framing shared by the listener (`server::h1`) and the upstream
-//! client (`proxy::upstream`): head limits, the chunked coding, numbers
-//! written without the formatting machinery, and interned header names.
+//! client (`proxy::upstream`): head limits, the chunked coding, the notes
+//! a head's framing reads, numbers written without the formatting
+//! machinery, and interned header names.
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
@@ -136,7 +137,9 @@ pub fn tokens(headers: &HeaderMap, name: HeaderName) -> impl DoubleEndedIterator
 /// the length.
 #[derive(Clone, Copy, Default)]
 pub struct Noted {
+    /// `Host` lines.
     pub hosts: usize,
+    /// `Content-Length` lines.
     pub content_lengths: usize,
     pub transfer_encoding: bool,
     pub expect: bool,
