@@ -6,6 +6,7 @@
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http_body::Frame;
+use smallvec::SmallVec;
 
 /// The largest head (start line and headers) accepted, and the largest
 /// trailer section.
@@ -123,12 +124,64 @@ fn chunk_size(line: &[u8]) -> Option<u64> {
 /// The comma-separated tokens of every `name` field, trimmed, empty ones
 /// skipped.
 pub fn tokens(headers: &HeaderMap, name: HeaderName) -> impl DoubleEndedIterator<Item = &str> {
-    headers
-        .get_all(name)
-        .into_iter()
-        .flat_map(|v| v.to_str().unwrap_or("").split(','))
+    headers.get_all(name).into_iter().flat_map(value_tokens)
+}
+
+/// The comma-separated tokens of one field value, trimmed, empty ones
+/// skipped; a value that is not text has none.
+pub fn value_tokens(value: &HeaderValue) -> impl DoubleEndedIterator<Item = &str> {
+    value
+        .to_str()
+        .unwrap_or("")
+        .split(',')
         .map(str::trim)
         .filter(|t| !t.is_empty())
+}
+
+/// Where each header of a parsed head lies in its buffer: name start, name
+/// end, value start, value end (a head is at most a few times `MAX_HEAD`
+/// long, far below `u32::MAX`). Inline up to the usual number of headers:
+/// no zeroed `MAX_HEADERS` array, no allocation.
+pub type HeaderOffsets = SmallVec<[(u32, u32, u32, u32); 16]>;
+
+/// The offsets of `parsed`'s headers in `buf`, which they were parsed from:
+/// taken before the head is split off the buffer, so that its headers can
+/// then be cut from it without a copy (see [`append_headers`]).
+pub fn header_offsets(buf: &[u8], parsed: &[httparse::Header<'_>]) -> HeaderOffsets {
+    let base = buf.as_ptr() as usize;
+    let at = |s: &[u8]| (s.as_ptr() as usize - base) as u32;
+    parsed
+        .iter()
+        .map(|h| {
+            let (name, value) = (h.name.as_bytes(), h.value);
+            (
+                at(name),
+                at(name) + name.len() as u32,
+                at(value),
+                at(value) + value.len() as u32,
+            )
+        })
+        .collect()
+}
+
+/// A header of a head that `http` refuses.
+pub enum BadHeader {
+    Name,
+    Value,
+}
+
+/// Appends the headers at `offsets` in `head` to `headers`, names interned
+/// and values cut from `head`, and returns the notes its framing reads.
+pub fn append_headers(head: &Bytes, offsets: &HeaderOffsets, headers: &mut HeaderMap) -> Result<Noted, BadHeader> {
+    let mut noted = Noted::default();
+    for &(name_start, name_end, start, end) in offsets {
+        let name = names::intern(&head[name_start as usize..name_end as usize]).map_err(|_| BadHeader::Name)?;
+        let value =
+            HeaderValue::from_maybe_shared(head.slice(start as usize..end as usize)).map_err(|_| BadHeader::Value)?;
+        noted.note(&name, &value);
+        headers.append(name, value);
+    }
+    Ok(noted)
 }
 
 /// What a head's framing reads, noted header by header while the head is
@@ -163,8 +216,7 @@ impl Noted {
     pub fn note(&mut self, name: &HeaderName, value: &HeaderValue) {
         use http::header;
         if name == header::CONNECTION {
-            // As `tokens`: a value that is not text has none.
-            for token in value.to_str().unwrap_or("").split(',').map(str::trim) {
+            for token in value_tokens(value) {
                 self.close |= token.eq_ignore_ascii_case("close");
                 self.keep_alive |= token.eq_ignore_ascii_case("keep-alive");
             }

@@ -31,8 +31,8 @@ use super::problem::Problem;
 use super::{Context, LiveRoute};
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
 use crate::store::{Fingerprint, Outcome, Owner, RecordKey, StoreHandle, StoredResponse};
-use crate::telemetry::{Outcome as TelemetryOutcome, error_chain};
-use tracing::{Instrument, Span};
+use crate::telemetry::{self, Outcome as TelemetryOutcome, error_chain};
+use tracing::Instrument;
 
 /// Frames buffered between the exchange task and the client connection.
 const CHANNEL_FRAMES: usize = 16;
@@ -343,10 +343,9 @@ pub async fn run(tracker: &TaskTracker, exchange: Exchange) -> Response<Response
     // wherever it ends up running.
     // (When nothing records the span, the future is boxed as it is: the
     // wrapper would only cost a copy of it.)
-    let span = tracing::level_enabled!(tracing::Level::INFO).then(Span::current);
-    let exchange: Pin<Box<dyn Future<Output = ()> + Send>> = match span {
-        Some(span) if !span.is_disabled() => Box::pin(exchange.drive(reply).instrument(span)),
-        _ => Box::pin(exchange.drive(reply)),
+    let exchange: Pin<Box<dyn Future<Output = ()> + Send>> = match telemetry::request_span() {
+        Some(span) => Box::pin(exchange.drive(reply).instrument(span)),
+        None => Box::pin(exchange.drive(reply)),
     };
     let mut handoff = Handoff {
         tracker,

@@ -46,8 +46,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         // hop-by-hop anyway: removed below when present.
         let mut named = Vec::new();
         for value in entry.remove_entry_mult().1 {
-            let tokens = value.to_str().unwrap_or("").split(',').map(str::trim);
-            let tokens = tokens.filter(|t| !t.is_empty() && !t.eq_ignore_ascii_case("keep-alive"));
+            let tokens = crate::wire::value_tokens(&value).filter(|t| !t.eq_ignore_ascii_case("keep-alive"));
             named.extend(tokens.filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok()));
         }
         for name in &named {

@@ -31,8 +31,8 @@ use http::{HeaderValue, Request, Response, Uri};
 use http_body_util::{BodyExt, Limited};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 use tracing::field::Empty;
-use tracing::{Instrument, Span};
 
 pub use body::{BoxError, ClientBody, Feed, ResponseBody};
 pub use forward::Peer;
@@ -40,7 +40,7 @@ pub use problem::Problem;
 
 use crate::config::{Config, DeriveField, Mode, OnInFlight, OnStoreError, Policy, Route, RouteMatch};
 use crate::store::{Claim, Outcome as Stored, Owner, StoreHandle, StoredResponse};
-use crate::telemetry::{Metrics, Outcome, RouteCounters};
+use crate::telemetry::{self, Metrics, Outcome, RouteCounters};
 use exchange::Exchange;
 use upstream::UpstreamClient;
 
@@ -228,12 +228,8 @@ impl Gateway {
         let policy = &live.route.policy;
         let upstream = &live.upstream;
         let (parts, body) = request.into_parts();
-        // The request span is at INFO: below it, there is no span to
-        // record on, and looking for it costs more than the request's
-        // other bookkeeping.
-        let traced = tracing::level_enabled!(tracing::Level::INFO);
-        if traced {
-            Span::current().record("route", live.route.name.as_str());
+        if let Some(span) = telemetry::request_span() {
+            span.record("route", live.route.name.as_str());
         }
 
         // 2. The key header.
@@ -292,8 +288,8 @@ impl Gateway {
         // 4. Fingerprint and record key.
         let fingerprint = fingerprint::fingerprint(&policy.fingerprint, &parts, &body, json.as_ref());
         let record_key = key::record_key(&policy.scope, &parts.headers, &key);
-        if traced {
-            Span::current().record("key", record_key.tag().as_str());
+        if let Some(span) = telemetry::request_span() {
+            span.record("key", record_key.tag().as_str());
         }
         drop(json);
 

@@ -22,13 +22,12 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::header::{self, HeaderValue};
+use http::header;
 use http::uri::{Authority, Scheme};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use rustls_pki_types::ServerName;
-use smallvec::SmallVec;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -451,13 +450,7 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                     let minor = parsed.version.unwrap_or(0);
                     // Offsets of each header in the buffer, to slice it
                     // once it is split off: no copy of the values.
-                    let base = conn.buf.as_ptr() as usize;
-                    let at = |s: &[u8]| s.as_ptr() as usize - base;
-                    let offsets: SmallVec<[_; 16]> = parsed
-                        .headers
-                        .iter()
-                        .map(|h| (at(h.name.as_bytes()), h.name.len(), at(h.value), h.value.len()))
-                        .collect();
+                    let offsets = wire::header_offsets(&conn.buf, parsed.headers);
                     let head = conn.buf.split_to(length).freeze();
                     let status = StatusCode::from_u16(code).map_err(|_| UpstreamError::Protocol("bad status"))?;
                     if status.is_informational() {
@@ -471,15 +464,12 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                     *response.version_mut() = if minor == 1 { Version::HTTP_11 } else { Version::HTTP_10 };
                     let headers = response.headers_mut();
                     headers.reserve(offsets.len());
-                    let mut noted = wire::Noted::default();
-                    for &(name_at, name_len, start, len) in &offsets {
-                        let name = wire::names::intern(&head[name_at..name_at + name_len])
-                            .map_err(|_| UpstreamError::Protocol("a header name is not valid"))?;
-                        let value = HeaderValue::from_maybe_shared(head.slice(start..start + len))
-                            .map_err(|_| UpstreamError::Protocol("a header value is not valid"))?;
-                        noted.note(&name, &value);
-                        headers.append(name, value);
-                    }
+                    let noted = wire::append_headers(&head, &offsets, headers).map_err(|error| {
+                        UpstreamError::Protocol(match error {
+                            wire::BadHeader::Name => "a header name is not valid",
+                            wire::BadHeader::Value => "a header value is not valid",
+                        })
+                    })?;
                     let (framing, keep_alive) = framing(&response, &noted, head_only, minor)?;
                     if noted.transfer_encoding {
                         // RFC 9112 §6.3: Transfer-Encoding overrides it, and

@@ -34,10 +34,9 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::{Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderValue};
+use http::header::{self, HeaderMap};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body;
-use smallvec::SmallVec;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
@@ -710,39 +709,17 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
     let base = buf.as_ptr() as usize;
     let path = parsed.path.unwrap_or("");
     let path_at = (path.as_ptr() as usize - base, path.len());
-    // (name start, name end, value start, value end); a head is at most
-    // a few times MAX_HEAD long, far below u32::MAX.
-    // (Inline up to the usual number of headers: no zeroing of a
-    // `MAX_HEADERS` array, no allocation.)
-    let at = |s: &[u8]| (s.as_ptr() as usize - base) as u32;
-    let offsets: SmallVec<[_; 16]> = parsed
-        .headers
-        .iter()
-        .map(|h| {
-            let (name, value) = (h.name.as_bytes(), h.value);
-            (
-                at(name),
-                at(name) + name.len() as u32,
-                at(value),
-                at(value) + value.len() as u32,
-            )
-        })
-        .collect();
+    let offsets = wire::header_offsets(buf, parsed.headers);
     let head = buf.split_to(length).freeze();
     let uri = Uri::from_maybe_shared(head.slice(path_at.0..path_at.0 + path_at.1))
         .map_err(|_| bad("the request target is not valid"))?;
     // Room for the X-Forwarded-* headers the upstream request adds, so the
     // map is not regrown on the way.
     let mut headers = HeaderMap::with_capacity(offsets.len() + 4);
-    let mut noted = wire::Noted::default();
-    for &(name_start, name_end, start, end) in &offsets {
-        let name = wire::names::intern(&head[name_start as usize..name_end as usize])
-            .map_err(|_| bad("a header name is not valid"))?;
-        let value = HeaderValue::from_maybe_shared(head.slice(start as usize..end as usize))
-            .map_err(|_| bad("a header value is not valid"))?;
-        noted.note(&name, &value);
-        headers.append(name, value);
-    }
+    let noted = wire::append_headers(&head, &offsets, &mut headers).map_err(|error| match error {
+        wire::BadHeader::Name => bad("a header name is not valid"),
+        wire::BadHeader::Value => bad("a header value is not valid"),
+    })?;
     let (framing, keep_alive, expect_continue) = framing(&headers, &noted, version)?;
     Ok(Some(Head {
         request: Parsed {

@@ -263,8 +263,9 @@ impl Shard {
     /// Evicts the records completed (or refreshed) longest ago, a batch at
     /// a time, until the shard fits `budget`, but never `newest`, the
     /// record just written: a record larger than the budget stays, alone,
-    /// rather than vanish as it is stored. The evicted entries go to `evicted`, to be dropped once
-    /// the shard's lock is let go (see [`drop_evicted`]).
+    /// rather than vanish as it is stored. The evicted entries go to
+    /// `evicted`, to be dropped once the shard's lock is let go (see
+    /// [`drop_evicted`]).
     fn evict_to(&mut self, budget: usize, newest: &RecordKey, evicted: &mut Vec<Entry>) {
         while self.bytes > budget {
             let mut batch = [(0, RecordKey([0; 32])); EVICT_BATCH];

@@ -160,8 +160,8 @@ impl RouteCounters {
     /// Counts `outcome`, and records it on the current request span.
     pub fn count(&self, outcome: Outcome) {
         self.counts.local()[outcome as usize].fetch_add(1, Ordering::Relaxed);
-        if tracing::level_enabled!(tracing::Level::INFO) {
-            tracing::Span::current().record("outcome", outcome.name());
+        if let Some(span) = super::request_span() {
+            span.record("outcome", outcome.name());
         }
     }
 

@@ -4,6 +4,18 @@ pub mod metrics;
 
 pub use metrics::{Metrics, Outcome, RouteCounters};
 
+/// The current request's span (see `Gateway::handle`), when there is one
+/// to record on. It is at INFO: below that, one load of the level filter
+/// settles it, where looking up the current span would cost more than the
+/// request's other bookkeeping.
+pub fn request_span() -> Option<tracing::Span> {
+    if !tracing::level_enabled!(tracing::Level::INFO) {
+        return None;
+    }
+    let span = tracing::Span::current();
+    (!span.is_disabled()).then_some(span)
+}
+
 /// An error and its sources, for a log line.
 pub fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
