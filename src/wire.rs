@@ -1,7 +1,8 @@
 //! HTTP/1.1 framing shared by the listener (`server::h1`) and the upstream
-//! client (`proxy::upstream`): head limits, the chunked coding, the notes
-//! a head's framing reads, numbers written without the formatting
-//! machinery, and interned header names.
+//! client (`proxy::upstream`): head limits, a parsed head's headers cut
+//! into a header map with the notes its framing reads, the chunked coding,
+//! numbers written without the formatting machinery, and interned header
+//! names.
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
