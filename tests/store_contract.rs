@@ -30,18 +30,19 @@ fn key() -> RecordKey {
 }
 
 fn response(body: &'static str) -> Outcome {
-    Outcome::Response(Arc::new(StoredResponse {
-        status: StatusCode::CREATED,
-        headers: vec![
+    let multi = HeaderName::from_static("x-multi");
+    Outcome::Response(Arc::new(StoredResponse::new(
+        StatusCode::CREATED,
+        &[
             (
-                HeaderName::from_static("content-type"),
-                HeaderValue::from_static("application/json"),
+                &HeaderName::from_static("content-type"),
+                &HeaderValue::from_static("application/json"),
             ),
-            (HeaderName::from_static("x-multi"), HeaderValue::from_static("1")),
-            (HeaderName::from_static("x-multi"), HeaderValue::from_static("2")),
+            (&multi, &HeaderValue::from_static("1")),
+            (&multi, &HeaderValue::from_static("2")),
         ],
-        body: Bytes::from_static(body.as_bytes()),
-    }))
+        &[Bytes::from_static(body.as_bytes())],
+    )))
 }
 
 pub async fn claim_race_has_one_winner(store: Arc<dyn Store>) {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::FutureExt;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::{Body, Frame};
@@ -277,50 +277,17 @@ impl Recorder {
     }
 }
 
-/// What a record keeps of an answer: the answer itself (see [`record`]),
-/// or `NotReplayable` when its body went past the limit.
+/// What a record keeps of an answer: the answer itself (see
+/// [`StoredResponse::new`]), or `NotReplayable` when its body went past the
+/// limit. `headers` are the kept headers, borrowed, so nothing is cloned
+/// (each clone of a slice is an atomic count on the read buffer) only to be
+/// copied and dropped; a list rather than the map, which is slower to walk
+/// twice.
 fn kept(over_limit: bool, status: StatusCode, headers: &[(&HeaderName, &HeaderValue)], chunks: &[Bytes]) -> Outcome {
     if over_limit {
         return Outcome::NotReplayable;
     }
-    Outcome::Response(Arc::new(record(status, headers, chunks)))
-}
-
-/// The stored answer, its header values and body in one buffer of its own.
-/// The header values and chunks are slices of the connection's read buffer:
-/// keeping one would pin the whole buffer (kilobytes for an answer of a few
-/// bytes) for as long as the record. One buffer is one allocation to make
-/// and, when the record goes, one to free. `headers` are the kept headers,
-/// borrowed, so nothing is cloned (each clone of a slice is an atomic count
-/// on the read buffer) only to be copied and dropped; a list rather than
-/// the map, which is slower to walk three times.
-fn record(status: StatusCode, headers: &[(&HeaderName, &HeaderValue)], chunks: &[Bytes]) -> StoredResponse {
-    let values: usize = headers.iter().map(|(_, value)| value.len()).sum();
-    let body: usize = chunks.iter().map(Bytes::len).sum();
-    let mut block = BytesMut::with_capacity(values + body);
-    for (_, value) in headers {
-        block.extend_from_slice(value.as_bytes());
-    }
-    for chunk in chunks {
-        block.extend_from_slice(chunk);
-    }
-    let block = block.freeze();
-    let mut at = 0;
-    let headers = headers
-        .iter()
-        .map(|&(name, value)| {
-            let slice = block.slice(at..at + value.len());
-            at += value.len();
-            let mut stored = HeaderValue::from_maybe_shared(slice).expect("a header value stays valid");
-            stored.set_sensitive(value.is_sensitive());
-            (name.clone(), stored)
-        })
-        .collect();
-    StoredResponse {
-        status,
-        headers,
-        body: block.slice(at..),
-    }
+    Outcome::Response(Arc::new(StoredResponse::new(status, headers, chunks)))
 }
 
 /// How an upstream exchange failed after the request may have been sent.

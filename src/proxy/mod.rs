@@ -514,13 +514,13 @@ impl Drop for Unsettled<'_> {
 
 /// The stored answer, with `Idempotent-Replayed: true`.
 fn replay(stored: &StoredResponse, policy: &Policy) -> Response<ResponseBody> {
-    let mut response = Response::new(ResponseBody::full(stored.body.clone()));
+    let mut response = Response::new(ResponseBody::full(stored.body()));
     *response.status_mut() = stored.status;
     let headers = response.headers_mut();
-    headers.reserve(stored.headers.len() + 1);
-    for (name, value) in &stored.headers {
+    headers.reserve(stored.headers().len() + 1);
+    for (name, value) in stored.header_values() {
         if !policy.replay_drop_headers.contains(name) {
-            headers.append(name.clone(), value.clone());
+            headers.append(name.clone(), value);
         }
     }
     headers.insert(REPLAYED.clone(), HeaderValue::from_static("true"));

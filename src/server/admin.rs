@@ -142,7 +142,7 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
                 let (state, status, body) = match &record {
                     Record::InFlight { .. } => ("in_flight", None, None),
                     Record::Completed { outcome, .. } => match outcome {
-                        Outcome::Response(r) => ("completed", Some(r.status.as_u16()), Some(r.body.len())),
+                        Outcome::Response(r) => ("completed", Some(r.status.as_u16()), Some(r.body_bytes().len())),
                         Outcome::NotReplayable => ("not_replayable", None, None),
                         Outcome::Unknown => ("outcome_unknown", None, None),
                     },

@@ -22,7 +22,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, StatusCode};
+use http::{HeaderName, StatusCode};
 
 use super::{Fingerprint, Outcome, Owner, StoreError, StoredResponse};
 
@@ -66,15 +66,15 @@ pub fn completed(fingerprint: &Fingerprint, outcome: &Outcome) -> Vec<u8> {
         Outcome::Response(response) => {
             let mut out = prefix(RESPONSE, fingerprint, response.size());
             out.extend_from_slice(&response.status.as_u16().to_be_bytes());
-            let count = u16::try_from(response.headers.len()).unwrap_or(u16::MAX);
+            let count = u16::try_from(response.headers().len()).unwrap_or(u16::MAX);
             out.extend_from_slice(&count.to_be_bytes());
-            for (name, value) in response.headers.iter().take(count as usize) {
+            for (name, value) in response.headers().take(count as usize) {
                 out.extend_from_slice(&(name.as_str().len() as u16).to_be_bytes());
                 out.extend_from_slice(name.as_str().as_bytes());
                 out.extend_from_slice(&(value.len() as u32).to_be_bytes());
-                out.extend_from_slice(value.as_bytes());
+                out.extend_from_slice(value);
             }
-            out.extend_from_slice(&response.body);
+            out.extend_from_slice(response.body_bytes());
             out
         }
     }
@@ -102,21 +102,23 @@ struct Reader {
 }
 
 impl Reader {
-    fn take(&mut self, n: usize) -> Result<Bytes, StoreError> {
+    /// Steps over `n` bytes; returns where they are.
+    fn skip(&mut self, n: usize) -> Result<std::ops::Range<usize>, StoreError> {
         if self.bytes.len() - self.at < n {
             return Err(StoreError::Corrupt("record truncated"));
         }
-        let out = self.bytes.slice(self.at..self.at + n);
         self.at += n;
-        Ok(out)
+        Ok(self.at - n..self.at)
     }
 
     fn u16(&mut self) -> Result<u16, StoreError> {
-        Ok(u16::from_be_bytes(self.take(2)?[..].try_into().expect("2 bytes")))
+        let at = self.skip(2)?;
+        Ok(u16::from_be_bytes(self.bytes[at].try_into().expect("2 bytes")))
     }
 
     fn u32(&mut self) -> Result<u32, StoreError> {
-        Ok(u32::from_be_bytes(self.take(4)?[..].try_into().expect("4 bytes")))
+        let at = self.skip(4)?;
+        Ok(u32::from_be_bytes(self.bytes[at].try_into().expect("4 bytes")))
     }
 }
 
@@ -127,7 +129,8 @@ pub fn decode(bytes: Bytes) -> Result<Decoded, StoreError> {
     let mut r = Reader { bytes, at: PREFIX };
     let outcome = match kind {
         IN_FLIGHT => {
-            let owner = u128::from_be_bytes(r.take(16)?[..].try_into().expect("16 bytes"));
+            let at = r.skip(16)?;
+            let owner = u128::from_be_bytes(r.bytes[at].try_into().expect("16 bytes"));
             return Ok(Decoded::InFlight {
                 fingerprint,
                 owner: Owner(owner),
@@ -141,14 +144,15 @@ pub fn decode(bytes: Bytes) -> Result<Decoded, StoreError> {
             let mut headers = Vec::with_capacity(count as usize);
             for _ in 0..count {
                 let len = r.u16()? as usize;
-                let name = HeaderName::from_bytes(&r.take(len)?).map_err(|_| StoreError::Corrupt("bad header name"))?;
+                let at = r.skip(len)?;
+                let name = HeaderName::from_bytes(&r.bytes[at]).map_err(|_| StoreError::Corrupt("bad header name"))?;
                 let len = r.u32()? as usize;
-                let value = HeaderValue::from_maybe_shared(r.take(len)?)
-                    .map_err(|_| StoreError::Corrupt("bad header value"))?;
-                headers.push((name, value));
+                headers.push((name, r.skip(len)?));
             }
-            let body = r.bytes.slice(r.at..);
-            Outcome::Response(Arc::new(StoredResponse { status, headers, body }))
+            let body = r.at..r.bytes.len();
+            let response = StoredResponse::in_block(status, r.bytes, headers, body)
+                .ok_or(StoreError::Corrupt("bad header value"))?;
+            Outcome::Response(Arc::new(response))
         }
         _ => return Err(StoreError::Corrupt("unknown record kind")),
     };
@@ -157,22 +161,25 @@ pub fn decode(bytes: Bytes) -> Result<Decoded, StoreError> {
 
 #[cfg(test)]
 mod tests {
+    use http::HeaderValue;
+
     use super::*;
 
     #[test]
     fn every_kind_round_trips() {
         let fp = Fingerprint([7; 32]);
-        let response = Outcome::Response(Arc::new(StoredResponse {
-            status: StatusCode::CREATED,
-            headers: vec![
-                (
-                    HeaderName::from_static("content-type"),
-                    HeaderValue::from_static("application/json"),
-                ),
-                (HeaderName::from_static("x-a"), HeaderValue::from_static("")),
+        let (json, empty) = (
+            HeaderValue::from_static("application/json"),
+            HeaderValue::from_static(""),
+        );
+        let response = Outcome::Response(Arc::new(StoredResponse::new(
+            StatusCode::CREATED,
+            &[
+                (&HeaderName::from_static("content-type"), &json),
+                (&HeaderName::from_static("x-a"), &empty),
             ],
-            body: Bytes::from_static(b"{\"id\":1}"),
-        }));
+            &[Bytes::from_static(b"{\"id\":"), Bytes::from_static(b"1}")],
+        )));
         for outcome in [response, Outcome::NotReplayable, Outcome::Unknown] {
             let bytes = completed(&fp, &outcome);
             assert_eq!(
@@ -197,11 +204,11 @@ mod tests {
         let fp = Fingerprint([1; 32]);
         let good = completed(
             &fp,
-            &Outcome::Response(Arc::new(StoredResponse {
-                status: StatusCode::OK,
-                headers: vec![(HeaderName::from_static("a"), HeaderValue::from_static("b"))],
-                body: Bytes::new(),
-            })),
+            &Outcome::Response(Arc::new(StoredResponse::new(
+                StatusCode::OK,
+                &[(&HeaderName::from_static("a"), &HeaderValue::from_static("b"))],
+                &[],
+            ))),
         );
         for cut in 0..good.len() - 1 {
             let _ = decode(Bytes::copy_from_slice(&good[..cut]));

@@ -1362,11 +1362,8 @@ mod tests {
                             .claim(&key, &Fingerprint([1; 32]), owner, Duration::from_secs(30), None)
                             .await
                             .unwrap();
-                        let outcome = Outcome::Response(Arc::new(StoredResponse {
-                            status: http::StatusCode::OK,
-                            headers: Vec::new(),
-                            body,
-                        }));
+                        let outcome =
+                            Outcome::Response(Arc::new(StoredResponse::new(http::StatusCode::OK, &[], &[body])));
                         assert!(
                             store
                                 .complete(&key, &Fingerprint([1; 32]), owner, outcome, Duration::from_secs(30))

@@ -20,8 +20,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{HeaderName, HeaderValue, StatusCode};
+use smallvec::SmallVec;
 
 pub use embedded::EmbeddedStore;
 pub use memory::MemoryStore;
@@ -174,18 +175,158 @@ impl Default for Owner {
 }
 
 /// A backend answer kept for replay.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// Its header values and body lie in one buffer: one allocation to make
+/// and, when the record goes, one to free. A value is cut from the buffer
+/// only as the answer is replayed, so keeping an answer takes no reference
+/// counts on it (nor, when it is evicted unreplayed, gives any back).
+#[derive(Clone)]
 pub struct StoredResponse {
     pub status: StatusCode,
-    pub headers: Vec<(HeaderName, HeaderValue)>,
-    pub body: Bytes,
+    /// Most answers have a handful of headers: held inline, in the same
+    /// allocation as the rest.
+    headers: SmallVec<[StoredHeader; 6]>,
+    block: Bytes,
+    body: std::ops::Range<usize>,
+}
+
+#[derive(Clone)]
+struct StoredHeader {
+    name: HeaderName,
+    /// Where the value lies in the block.
+    at: u32,
+    len: u32,
+    sensitive: bool,
 }
 
 impl StoredResponse {
+    /// An answer made of `headers` and a body of `chunks`, copied into a
+    /// buffer of its own: the values and chunks are often slices of a
+    /// connection's read buffer, which keeping would pin whole (kilobytes
+    /// for an answer of a few bytes) for as long as the record.
+    pub fn new(status: StatusCode, headers: &[(&HeaderName, &HeaderValue)], chunks: &[Bytes]) -> StoredResponse {
+        let values: usize = headers.iter().map(|(_, value)| value.len()).sum();
+        let body: usize = chunks.iter().map(Bytes::len).sum();
+        let mut block = BytesMut::with_capacity(values + body);
+        let headers = headers
+            .iter()
+            .map(|&(name, value)| {
+                let at = block.len();
+                block.extend_from_slice(value.as_bytes());
+                StoredHeader {
+                    name: name.clone(),
+                    // A value is part of a head, which is far smaller than 4 GiB.
+                    at: u32::try_from(at).expect("header values fit in a head"),
+                    len: u32::try_from(value.len()).expect("header values fit in a head"),
+                    sensitive: value.is_sensitive(),
+                }
+            })
+            .collect();
+        for chunk in chunks {
+            block.extend_from_slice(chunk);
+        }
+        StoredResponse {
+            status,
+            headers,
+            block: block.freeze(),
+            body: values..values + body,
+        }
+    }
+
+    /// An answer whose header values and body are ranges of `block` (a
+    /// decoded record's bytes): nothing is copied. `None` when a range lies
+    /// outside the block or a value is not a valid header value.
+    pub fn in_block(
+        status: StatusCode,
+        block: Bytes,
+        headers: impl IntoIterator<Item = (HeaderName, std::ops::Range<usize>)>,
+        body: std::ops::Range<usize>,
+    ) -> Option<StoredResponse> {
+        let headers = headers
+            .into_iter()
+            .map(|(name, range)| {
+                HeaderValue::from_bytes(block.get(range.clone())?).ok()?;
+                Some(StoredHeader {
+                    name,
+                    at: u32::try_from(range.start).ok()?,
+                    len: u32::try_from(range.len()).ok()?,
+                    sensitive: false,
+                })
+            })
+            .collect::<Option<_>>()?;
+        block.get(body.clone())?;
+        Some(StoredResponse {
+            status,
+            headers,
+            block,
+            body,
+        })
+    }
+
+    /// The headers, in the order they were kept, their values borrowed.
+    pub fn headers(&self) -> impl ExactSizeIterator<Item = (&HeaderName, &[u8])> + '_ {
+        self.headers.iter().map(|header| {
+            let at = header.at as usize;
+            (&header.name, &self.block[at..at + header.len as usize])
+        })
+    }
+
+    /// The headers as they are replayed: each value a slice of the answer's
+    /// buffer.
+    pub fn header_values(&self) -> impl Iterator<Item = (&HeaderName, HeaderValue)> + '_ {
+        self.headers.iter().map(|header| {
+            let at = header.at as usize;
+            let slice = self.block.slice(at..at + header.len as usize);
+            let mut value = HeaderValue::from_maybe_shared(slice).expect("kept from a valid header value");
+            value.set_sensitive(header.sensitive);
+            (&header.name, value)
+        })
+    }
+
+    pub fn body(&self) -> Bytes {
+        self.block.slice(self.body.clone())
+    }
+
+    /// The body, borrowed.
+    pub fn body_bytes(&self) -> &[u8] {
+        &self.block[self.body.clone()]
+    }
+
     /// Approximate bytes the record occupies, for memory accounting.
     pub fn size(&self) -> usize {
-        let headers: usize = self.headers.iter().map(|(n, v)| n.as_str().len() + v.len() + 64).sum();
+        let headers: usize = self
+            .headers
+            .iter()
+            .map(|header| header.name.as_str().len() + header.len as usize + 64)
+            .sum();
         self.body.len() + headers + 64
+    }
+}
+
+impl PartialEq for StoredResponse {
+    fn eq(&self, other: &StoredResponse) -> bool {
+        self.status == other.status && self.headers().eq(other.headers()) && self.body_bytes() == other.body_bytes()
+    }
+}
+
+impl Eq for StoredResponse {}
+
+/// The status, header names and body length: never a value or the body,
+/// which may carry anything.
+impl fmt::Debug for StoredResponse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoredResponse")
+            .field("status", &self.status)
+            .field(
+                "headers",
+                &self
+                    .headers
+                    .iter()
+                    .map(|header| header.name.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .field("body_len", &self.body.len())
+            .finish()
     }
 }
 
