@@ -196,11 +196,13 @@ def nginx(procs, tmp, name, body, workers):
     return procs.start(["nginx", "-c", conf, "-p", tmp])
 
 
-def wrk(port, script, duration, connections, threads):
+def wrk(port, script, duration, connections, threads, cpus=None):
+    """One wrk run; on `cpus` only, when given."""
     out = subprocess.run(
         ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration}s", "--latency", "-s", script,
          f"http://127.0.0.1:{port}/bench"],
         capture_output=True, text=True, check=True,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
     ).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     total = int(re.search(r"(\d+) requests in", out).group(1))
@@ -227,8 +229,28 @@ def server_extra(args):
     return f"workers = {args.workers}" if args.workers else ""
 
 
-def one_connection(procs, tmp, backend_port, nginx_port, script, args):
-    """Median p50 over the rounds at one connection: direct, nginx, idemgate."""
+def pin(pids, cpus):
+    """Puts every thread of the processes on `cpus`."""
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except OSError:
+                pass
+
+
+def one_connection(procs, tmp, backend_port, nginx_port, script, args, backend_pids, nginx_pids):
+    """Median p50s over the rounds at one connection: direct, nginx, idemgate.
+
+    At one connection a request is a chain of wake-ups across processes,
+    and on a VM a wake-up on the other core costs tens of µs: where the
+    scheduler happens to place wrk, the proxy and the backend decides more
+    of the latency than the proxy's own work, and it changes placement
+    between runs. So besides the unpinned runs, each round also runs with
+    the placement fixed, the same for both proxies: wrk on the first core,
+    the proxy and the backend on the last. Returns both sets of medians
+    (the pinned one `None` on one core).
+    """
     port = free_port()
     conf = os.path.join(tmp, "idemgate-latency.toml")
     with open(conf, "w") as f:
@@ -236,12 +258,25 @@ def one_connection(procs, tmp, backend_port, nginx_port, script, args):
                                 server_extra=server_extra(args)))
     gate = procs.start([BINARY, "--config", conf], env={**os.environ, "RUST_LOG": "warn"})
     wait_port(port)
-    results = {"direct": [], "nginx": [], "idemgate": []}
-    for _ in range(args.rounds):
-        for name, target in (("direct", backend_port), ("nginx", nginx_port), ("idemgate", port)):
-            results[name].append(wrk(target, script, args.duration, 1, 1)["p50"])
+    servers = backend_pids + nginx_pids + [gate.pid]
+    every = os.sched_getaffinity(0)
+    placements = [None] + ([({min(every)}, {max(every)})] if len(every) > 1 else [])
+    results = {(p is None, name): [] for p in placements for name in ("direct", "nginx", "idemgate")}
+    try:
+        for _ in range(args.rounds):
+            for placement in placements:
+                client = None
+                if placement:
+                    client, server = placement
+                    pin(servers, server)
+                for name, target in (("direct", backend_port), ("nginx", nginx_port), ("idemgate", port)):
+                    results[(placement is None, name)].append(wrk(target, script, args.duration, 1, 1, client)["p50"])
+                pin(servers, every)
+    finally:
+        pin(servers, every)
     procs.stop(gate)
-    return tuple(statistics.median(results[k]) for k in ("direct", "nginx", "idemgate"))
+    medians = lambda free: tuple(statistics.median(results[(free, k)]) for k in ("direct", "nginx", "idemgate"))
+    return medians(True), medians(False) if len(placements) > 1 else None
 
 
 def main():
@@ -265,11 +300,12 @@ def main():
     procs = Processes()
     try:
         backend_port, nginx_port = free_port(), free_port()
-        nginx(procs, tmp, "backend", BACKEND.format(port=backend_port), 1)
+        backend = nginx(procs, tmp, "backend", BACKEND.format(port=backend_port), 1)
         pass_through = nginx(procs, tmp, "proxy", PASS_THROUGH.format(port=nginx_port, backend=backend_port), "auto")
         wait_port(backend_port)
         wait_port(nginx_port)
         nginx_pids = [pass_through.pid] + children(pass_through.pid)
+        backend_pids = [backend.pid] + children(backend.pid)
 
         scripts = {}
         # 64 connections, each pausing this long: about 20k req/s offered.
@@ -288,7 +324,8 @@ def main():
         for scenario in args.scenarios.split(","):
             store, kind = scenario.split("-")
             if store == "latency":
-                latency = one_connection(procs, tmp, backend_port, nginx_port, scripts["new"], args)
+                latency = one_connection(procs, tmp, backend_port, nginx_port, scripts["new"], args, backend_pids,
+                                         nginx_pids)
                 continue
             extra = {
                 # Small enough that a run must evict: the store holds its budget.
@@ -343,11 +380,14 @@ def main():
                   f"| {n['p50']:.2f} / {n['p99']:.2f} | {i['p50']:.2f} / {i['p99']:.2f} "
                   f"| {n['cpu_us']:.1f} | {i['cpu_us']:.1f} | {i['rss']:.0f} | {i['non2xx']:.0f} |")
         if latency:
-            direct, through_nginx, through_gate = latency
-            print(f"\nOne connection, new keys, p50 latency: backend direct {direct * 1000:.0f} µs, "
-                  f"through nginx {through_nginx * 1000:.0f} µs (+{(through_nginx - direct) * 1000:.0f}), "
-                  f"through idemgate (memory store) {through_gate * 1000:.0f} µs "
-                  f"(+{(through_gate - direct) * 1000:.0f}).")
+            for label, medians in zip(("placed by the scheduler", "wrk on one core, proxy and backend on the other"),
+                                      latency):
+                if medians is None:
+                    continue
+                direct, through_nginx, through_gate = (m * 1000 for m in medians)
+                print(f"\nOne connection, new keys, p50 latency ({label}): backend direct {direct:.0f} µs, "
+                      f"through nginx {through_nginx:.0f} µs (+{through_nginx - direct:.0f}), "
+                      f"through idemgate (memory store) {through_gate:.0f} µs (+{through_gate - direct:.0f}).")
     finally:
         procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
