@@ -338,18 +338,30 @@ contract!(embedded, {
 #[tokio::test]
 async fn memory_sweeps_expired_records_and_holds_its_budget() {
     let store = MemoryStore::new(200_000);
+    let body: &'static str = Box::leak("x".repeat(1000).into_boxed_str());
+    let mut one = 0;
     for _ in 0..1000 {
         let k = key();
         let owner = Owner::new();
         store.claim(&k, &A, owner, LONG, None).await.unwrap();
-        let body: &'static str = Box::leak("x".repeat(1000).into_boxed_str());
         store
             .complete(&k, &A, owner, response(body), Duration::from_millis(300))
             .await
             .unwrap();
+        if one == 0 {
+            one = store.stored_bytes();
+        }
         assert!(store.stored_bytes() <= 200_000);
     }
-    assert!(store.stored_bytes() > 100_000);
+    // How full it is at the end varies: a shard over its budget evicts a
+    // batch, down to as little as its newest record. But every one of the
+    // sixteen shards has had some of the thousand keys, and keeps at least
+    // its newest.
+    assert!(
+        store.stored_bytes() >= 16 * one,
+        "{} bytes kept, records of {one}",
+        store.stored_bytes()
+    );
     // The sweeper runs every 500 ms; on a loaded machine (the other
     // contract tests start Redis clusters beside this one) a run may come
     // late, so wait for it a while rather than a fixed time.
