@@ -16,6 +16,7 @@
 //! O(1).
 
 use std::collections::VecDeque;
+use std::collections::hash_map::Entry as Slot;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -67,6 +68,15 @@ impl<T> std::ops::Deref for Padded<T> {
 #[derive(Default)]
 struct Shard {
     entries: KeyMap<RecordKey, Entry>,
+    /// Bytes held by completed entries.
+    bytes: usize,
+    /// Apart from the entries, so an entry being changed and the deadline
+    /// it is given can be borrowed at once: one lookup per operation.
+    deadlines: Deadlines,
+}
+
+#[derive(Default)]
+struct Deadlines {
     /// Lease ends as they were set, one queue per duration, each therefore
     /// in deadline order: for the sweeper. There are a handful of
     /// durations (the routes' leases and TTLs): a list finds one faster
@@ -74,7 +84,6 @@ struct Shard {
     leases: Vec<(Duration, DeadlineQueue)>,
     /// TTL ends, likewise: for the sweeper, and for eviction.
     ttls: Vec<(Duration, DeadlineQueue)>,
-    bytes: usize,
     seq: u64,
 }
 
@@ -144,34 +153,12 @@ fn outcome_size(outcome: &Outcome) -> usize {
         }
 }
 
-impl Shard {
-    fn next_seq(&mut self) -> u64 {
-        self.seq += 1;
-        self.seq
-    }
-
-    /// The entry under `key`, unless its deadline has passed (then it is removed).
-    fn live(&mut self, key: &RecordKey, now: Instant) -> Option<&mut Entry> {
-        let expired = self.entries.get(key).is_some_and(|e| e.deadline.0 <= now);
-        if expired {
-            self.remove(key);
-        }
-        self.entries.get_mut(key)
-    }
-
-    fn remove(&mut self, key: &RecordKey) -> Option<Entry> {
-        let entry = self.entries.remove(key)?;
-        match &entry.state {
-            State::InFlight { done, .. } => done.iter().for_each(|done| done.notify_waiters()),
-            State::Done { size, .. } => self.bytes -= size,
-        }
-        Some(entry)
-    }
-
+impl Deadlines {
     /// Queues a deadline `lasting` from `now` (a lease's, or with `ttl` a
     /// record's time to live); returns it for the entry.
-    fn queue_deadline(&mut self, key: &RecordKey, now: Instant, lasting: Duration, ttl: bool) -> (Instant, u64) {
-        let deadline = (now + lasting, self.next_seq());
+    fn queue(&mut self, key: &RecordKey, now: Instant, lasting: Duration, ttl: bool) -> (Instant, u64) {
+        self.seq += 1;
+        let deadline = (now + lasting, self.seq);
         let queues = if ttl { &mut self.ttls } else { &mut self.leases };
         let queue = match queues.iter().position(|(d, _)| *d == lasting) {
             Some(at) => &mut queues[at].1,
@@ -183,12 +170,50 @@ impl Shard {
         queue.push_back((deadline.0, deadline.1, *key));
         deadline
     }
+}
 
-    fn set_deadline(&mut self, key: &RecordKey, now: Instant, lasting: Duration, ttl: bool) {
-        let deadline = self.queue_deadline(key, now, lasting, ttl);
-        if let Some(entry) = self.entries.get_mut(key) {
-            entry.deadline = deadline;
+/// The entry under `key` in `entries`, unless its deadline has passed
+/// (then it is removed, and `bytes` counts it out): one lookup.
+fn live<'a>(
+    entries: &'a mut KeyMap<RecordKey, Entry>,
+    bytes: &mut usize,
+    key: &RecordKey,
+    now: Instant,
+) -> Option<&'a mut Entry> {
+    match entries.entry(*key) {
+        Slot::Occupied(slot) if slot.get().deadline.0 > now => Some(slot.into_mut()),
+        Slot::Occupied(slot) => {
+            forget(bytes, &slot.remove());
+            None
         }
+        Slot::Vacant(_) => None,
+    }
+}
+
+/// What an entry leaving the map undoes: its waiters are woken, its bytes
+/// counted out.
+fn forget(bytes: &mut usize, entry: &Entry) {
+    match &entry.state {
+        State::InFlight { done, .. } => done.iter().for_each(|done| done.notify_waiters()),
+        State::Done { size, .. } => *bytes -= size,
+    }
+}
+
+/// Whether `entry` is in flight under `owner`.
+fn held_by(entry: &Entry, owner: Owner) -> bool {
+    matches!(entry.state, State::InFlight { owner: o, .. } if o == owner)
+}
+
+impl Shard {
+    /// The entry under `key`, unless its deadline has passed (then it is removed).
+    fn live(&mut self, key: &RecordKey, now: Instant) -> Option<&mut Entry> {
+        live(&mut self.entries, &mut self.bytes, key, now)
+    }
+
+    fn remove(&mut self, key: &RecordKey) -> Option<Entry> {
+        let entry = self.entries.remove(key)?;
+        forget(&mut self.bytes, &entry);
+        Some(entry)
     }
 
     /// Whether a queued deadline is still the entry's own.
@@ -201,7 +226,8 @@ impl Shard {
     fn sweep(&mut self, now: Instant, limit: usize) -> usize {
         let mut due = Vec::new();
         let mut looked = 0;
-        for (_, queue) in self.leases.iter_mut().chain(&mut self.ttls) {
+        let Deadlines { leases, ttls, .. } = &mut self.deadlines;
+        for (_, queue) in leases.iter_mut().chain(ttls.iter_mut()) {
             while looked < limit
                 && let Some(&(at, seq, key)) = queue.front()
                 && at <= now
@@ -211,8 +237,8 @@ impl Shard {
                 looked += 1;
             }
         }
-        self.leases.retain(|(_, queue)| !queue.is_empty());
-        self.ttls.retain(|(_, queue)| !queue.is_empty());
+        leases.retain(|(_, queue)| !queue.is_empty());
+        ttls.retain(|(_, queue)| !queue.is_empty());
         for (seq, key) in due {
             if self.is_current(&key, seq) {
                 self.remove(&key);
@@ -230,7 +256,8 @@ impl Shard {
     fn compact(&mut self) {
         let bound = 2 * self.entries.len() + 1024;
         let entries = &self.entries;
-        for (_, queue) in self.leases.iter_mut().chain(&mut self.ttls) {
+        let Deadlines { leases, ttls, .. } = &mut self.deadlines;
+        for (_, queue) in leases.iter_mut().chain(ttls.iter_mut()) {
             if queue.len() > bound {
                 queue.retain(|(_, seq, key)| entries.get(key).is_some_and(|e| e.deadline.1 == *seq));
             }
@@ -247,7 +274,8 @@ impl Shard {
     /// The TTL queue whose front record was completed (or refreshed)
     /// longest ago: the next to evict.
     fn oldest_ttl(&mut self) -> Option<&mut DeadlineQueue> {
-        self.ttls
+        self.deadlines
+            .ttls
             .iter_mut()
             .map(|(_, queue)| queue)
             .filter(|queue| !queue.is_empty())
@@ -256,8 +284,7 @@ impl Shard {
 
     /// The in-flight entry of `key` if `owner` holds it.
     fn owned(&mut self, key: &RecordKey, owner: Owner, now: Instant) -> Option<&mut Entry> {
-        self.live(key, now)
-            .filter(|e| matches!(e.state, State::InFlight { owner: o, .. } if o == owner))
+        self.live(key, now).filter(|e| held_by(e, owner))
     }
 
     /// Evicts the records completed (or refreshed) longest ago, a batch at
@@ -306,53 +333,62 @@ impl MemoryStore {
         refresh_ttl: Option<Duration>,
     ) -> Claim {
         let now = coarse_now();
-        let mut shard = self.shard(key);
-        if let Some(entry) = shard.live(key, now) {
-            let found = entry.fingerprint;
-            return match &entry.state {
-                State::InFlight { .. } => Claim::InFlight { fingerprint: found },
-                State::Done { outcome, .. } => {
-                    let outcome = outcome.clone();
-                    if let Some(ttl) = refresh_ttl.filter(|_| found == *fingerprint) {
-                        shard.set_deadline(key, now, ttl, true);
+        let mut guard = self.shard(key);
+        let shard = &mut *guard;
+        // One lookup: the slot found is the one claimed.
+        let slot = match shard.entries.entry(*key) {
+            Slot::Occupied(slot) if slot.get().deadline.0 > now => {
+                let entry = slot.into_mut();
+                let found = entry.fingerprint;
+                return match &entry.state {
+                    State::InFlight { .. } => Claim::InFlight { fingerprint: found },
+                    State::Done { outcome, .. } => {
+                        let outcome = outcome.clone();
+                        if let Some(ttl) = refresh_ttl.filter(|_| found == *fingerprint) {
+                            entry.deadline = shard.deadlines.queue(key, now, ttl, true);
+                        }
+                        Claim::Completed {
+                            fingerprint: found,
+                            outcome,
+                        }
                     }
-                    Claim::Completed {
-                        fingerprint: found,
-                        outcome,
-                    }
-                }
-            };
+                };
+            }
+            slot => slot,
+        };
+        let claimed = Entry {
+            fingerprint: *fingerprint,
+            deadline: shard.deadlines.queue(key, now, lease, false),
+            state: State::InFlight { owner, done: None },
+        };
+        match slot {
+            Slot::Occupied(mut expired) => forget(&mut shard.bytes, &expired.insert(claimed)),
+            Slot::Vacant(slot) => {
+                slot.insert(claimed);
+            }
         }
-        let deadline = shard.queue_deadline(key, now, lease, false);
-        shard.entries.insert(
-            *key,
-            Entry {
-                fingerprint: *fingerprint,
-                deadline,
-                state: State::InFlight { owner, done: None },
-            },
-        );
         Claim::Claimed
     }
 
     /// [`Store::complete`], answered at once.
     pub fn complete_now(&self, key: &RecordKey, owner: Owner, outcome: Outcome, ttl: Duration) -> bool {
         let now = coarse_now();
-        let mut shard = self.shard(key);
         let size = outcome_size(&outcome);
-        let Some(entry) = shard.owned(key, owner, now) else {
+        let mut guard = self.shard(key);
+        let shard = &mut *guard;
+        let Some(entry) = live(&mut shard.entries, &mut shard.bytes, key, now).filter(|e| held_by(e, owner)) else {
             return false;
         };
         let previous = std::mem::replace(&mut entry.state, State::Done { outcome, size });
         if let State::InFlight { done: Some(done), .. } = previous {
             done.notify_waiters();
         }
+        entry.deadline = shard.deadlines.queue(key, now, ttl, true);
         shard.bytes += size;
-        shard.set_deadline(key, now, ttl, true);
         let budget = self.shared.budget_per_shard;
         let mut evicted = Vec::new();
         shard.evict_to(budget, key, &mut evicted);
-        drop(shard);
+        drop(guard);
         drop_evicted(evicted);
         true
     }
@@ -393,11 +429,12 @@ impl Store for MemoryStore {
 
     async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {
         let now = coarse_now();
-        let mut shard = self.shard(key);
-        if shard.owned(key, owner, now).is_none() {
+        let mut guard = self.shard(key);
+        let shard = &mut *guard;
+        let Some(entry) = live(&mut shard.entries, &mut shard.bytes, key, now).filter(|e| held_by(e, owner)) else {
             return Ok(false);
-        }
-        shard.set_deadline(key, now, lease, false);
+        };
+        entry.deadline = shard.deadlines.queue(key, now, lease, false);
         Ok(true)
     }
 
@@ -671,8 +708,8 @@ mod tests {
         for shard in store.shared.shards.iter() {
             let shard = lock(shard);
             assert!(shard.entries.is_empty());
-            assert!(shard.leases.is_empty());
-            assert!(shard.ttls.is_empty());
+            assert!(shard.deadlines.leases.is_empty());
+            assert!(shard.deadlines.ttls.is_empty());
             assert_eq!(shard.bytes, 0);
         }
     }
@@ -724,7 +761,7 @@ mod tests {
             let shard = lock(shard);
             let bound = 2 * shard.entries.len() + 1024;
             assert!(shard.entries.len() <= 16, "{}", shard.entries.len());
-            for (_, queue) in shard.leases.iter().chain(&shard.ttls) {
+            for (_, queue) in shard.deadlines.leases.iter().chain(&shard.deadlines.ttls) {
                 assert!(
                     queue.len() <= bound,
                     "{} queued for {} entries",
