@@ -173,7 +173,9 @@ impl Deadlines {
 }
 
 /// The entry under `key` in `entries`, unless its deadline has passed
-/// (then it is removed, and `bytes` counts it out): one lookup.
+/// (then it is removed, and `bytes` counts it out): one lookup. A miss,
+/// rare outside a claim, may make the map room for one more entry, as the
+/// next insert would.
 fn live<'a>(
     entries: &'a mut KeyMap<RecordKey, Entry>,
     bytes: &mut usize,
