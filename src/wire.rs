@@ -195,6 +195,8 @@ pub struct Noted {
     pub hosts: usize,
     /// `Content-Length` lines.
     pub content_lengths: usize,
+    /// The first `Content-Length` line's value, when it is a plain number.
+    first_length: Option<u64>,
     pub transfer_encoding: bool,
     pub expect: bool,
     /// A `close` token in `Connection`.
@@ -223,6 +225,9 @@ impl Noted {
             }
         } else if name == header::CONTENT_LENGTH {
             self.content_lengths += 1;
+            if self.content_lengths == 1 {
+                self.first_length = plain_number(value.as_bytes());
+            }
         } else if name == header::HOST {
             self.hosts += 1;
         } else if name == header::TRANSFER_ENCODING {
@@ -233,12 +238,13 @@ impl Noted {
     }
 
     /// The `content-length`, as [`content_length`], with no lookup when
-    /// there is none.
+    /// there is none or one plain number.
     pub fn content_length(&self, headers: &HeaderMap) -> Result<Option<u64>, &'static str> {
-        if self.content_lengths == 0 {
-            return Ok(None);
+        match (self.content_lengths, self.first_length) {
+            (0, _) => Ok(None),
+            (1, Some(length)) => Ok(Some(length)),
+            _ => content_length(headers),
         }
-        content_length(headers)
     }
 }
 
@@ -458,7 +464,10 @@ mod tests {
             for v in values {
                 headers.append(http::header::CONTENT_LENGTH, HeaderValue::from_str(v).unwrap());
             }
-            content_length(&headers)
+            // Noted as the headers were parsed, the same answer.
+            let read = content_length(&headers);
+            assert_eq!(Noted::of(&headers).content_length(&headers), read, "{values:?}");
+            read
         };
         assert_eq!(length(&[]), Ok(None));
         assert_eq!(length(&["42"]), Ok(Some(42)));
