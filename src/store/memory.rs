@@ -201,11 +201,6 @@ fn forget(bytes: &mut usize, entry: &Entry) {
     }
 }
 
-/// Whether `entry` is in flight under `owner`.
-fn held_by(entry: &Entry, owner: Owner) -> bool {
-    matches!(entry.state, State::InFlight { owner: o, .. } if o == owner)
-}
-
 impl Shard {
     /// The entry under `key`, unless its deadline has passed (then it is removed).
     fn live(&mut self, key: &RecordKey, now: Instant) -> Option<&mut Entry> {
@@ -284,9 +279,12 @@ impl Shard {
             .min_by_key(|queue| queue.front().map_or(u64::MAX, |&(_, seq, _)| seq))
     }
 
-    /// The in-flight entry of `key` if `owner` holds it.
-    fn owned(&mut self, key: &RecordKey, owner: Owner, now: Instant) -> Option<&mut Entry> {
-        self.live(key, now).filter(|e| held_by(e, owner))
+    /// The in-flight entry of `key` if `owner` holds it, with the deadline
+    /// queues, so it can be given a new deadline without a second lookup.
+    fn owned(&mut self, key: &RecordKey, owner: Owner, now: Instant) -> Option<(&mut Entry, &mut Deadlines)> {
+        let entry = live(&mut self.entries, &mut self.bytes, key, now)
+            .filter(|e| matches!(e.state, State::InFlight { owner: o, .. } if o == owner))?;
+        Some((entry, &mut self.deadlines))
     }
 
     /// Evicts the records completed (or refreshed) longest ago, a batch at
@@ -376,21 +374,20 @@ impl MemoryStore {
     pub fn complete_now(&self, key: &RecordKey, owner: Owner, outcome: Outcome, ttl: Duration) -> bool {
         let now = coarse_now();
         let size = outcome_size(&outcome);
-        let mut guard = self.shard(key);
-        let shard = &mut *guard;
-        let Some(entry) = live(&mut shard.entries, &mut shard.bytes, key, now).filter(|e| held_by(e, owner)) else {
+        let mut shard = self.shard(key);
+        let Some((entry, deadlines)) = shard.owned(key, owner, now) else {
             return false;
         };
         let previous = std::mem::replace(&mut entry.state, State::Done { outcome, size });
         if let State::InFlight { done: Some(done), .. } = previous {
             done.notify_waiters();
         }
-        entry.deadline = shard.deadlines.queue(key, now, ttl, true);
+        entry.deadline = deadlines.queue(key, now, ttl, true);
         shard.bytes += size;
         let budget = self.shared.budget_per_shard;
         let mut evicted = Vec::new();
         shard.evict_to(budget, key, &mut evicted);
-        drop(guard);
+        drop(shard);
         drop_evicted(evicted);
         true
     }
@@ -431,12 +428,11 @@ impl Store for MemoryStore {
 
     async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {
         let now = coarse_now();
-        let mut guard = self.shard(key);
-        let shard = &mut *guard;
-        let Some(entry) = live(&mut shard.entries, &mut shard.bytes, key, now).filter(|e| held_by(e, owner)) else {
+        let mut shard = self.shard(key);
+        let Some((entry, deadlines)) = shard.owned(key, owner, now) else {
             return Ok(false);
         };
-        entry.deadline = shard.deadlines.queue(key, now, lease, false);
+        entry.deadline = deadlines.queue(key, now, lease, false);
         Ok(true)
     }
 

@@ -199,6 +199,12 @@ struct StoredHeader {
     sensitive: bool,
 }
 
+impl StoredHeader {
+    fn value(&self) -> std::ops::Range<usize> {
+        self.at as usize..self.at as usize + self.len as usize
+    }
+}
+
 impl StoredResponse {
     /// An answer made of `headers` and a body of `chunks`, copied into a
     /// buffer of its own: the values and chunks are often slices of a
@@ -265,19 +271,17 @@ impl StoredResponse {
 
     /// The headers, in the order they were kept, their values borrowed.
     pub fn headers(&self) -> impl ExactSizeIterator<Item = (&HeaderName, &[u8])> + '_ {
-        self.headers.iter().map(|header| {
-            let at = header.at as usize;
-            (&header.name, &self.block[at..at + header.len as usize])
-        })
+        self.headers
+            .iter()
+            .map(|header| (&header.name, &self.block[header.value()]))
     }
 
     /// The headers as they are replayed: each value a slice of the answer's
     /// buffer.
     pub fn header_values(&self) -> impl Iterator<Item = (&HeaderName, HeaderValue)> + '_ {
         self.headers.iter().map(|header| {
-            let at = header.at as usize;
-            let slice = self.block.slice(at..at + header.len as usize);
-            let mut value = HeaderValue::from_maybe_shared(slice).expect("kept from a valid header value");
+            let mut value = HeaderValue::from_maybe_shared(self.block.slice(header.value()))
+                .expect("kept from a valid header value");
             value.set_sensitive(header.sensitive);
             (&header.name, value)
         })
