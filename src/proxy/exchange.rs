@@ -582,7 +582,7 @@ async fn settle(guard: ClaimGuard, policy: &Policy, outcome: Option<Outcome>) {
 }
 
 /// The response headers a record keeps: all but `replay_drop_headers`
-/// (copied out of the read buffer with the body, by [`record`]).
+/// (copied out of the read buffer with the body, by [`StoredResponse::new`]).
 fn kept_headers<'a>(
     headers: &'a HeaderMap,
     policy: &'a Policy,

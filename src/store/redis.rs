@@ -69,7 +69,7 @@ local v = redis.call('GET', KEYS[1])
 if not v or string.byte(v, 2) ~= 0 or string.sub(v, 35, 50) ~= ARGV[1] then return nil end
 ";
 
-/// Wakes the waiters of KEYS[1] if one marked the in-flight record `v`: an
+/// Wakes the waiters of `KEYS[1]` if one marked the in-flight record `v`: an
 /// unmarked one is 50 bytes (`codec::in_flight`; a test holds the scripts
 /// to that).
 const ANNOUNCE: &str = concat!(
