@@ -311,8 +311,8 @@ pub async fn run(tracker: &TaskTracker, exchange: Exchange) -> Response<Response
     // (When nothing records the span, the future is boxed as it is: the
     // wrapper would only cost a copy of it.)
     let exchange: Pin<Box<dyn Future<Output = ()> + Send>> = match telemetry::request_span() {
-        Some(span) => Box::pin(exchange.drive(reply).instrument(span)),
-        None => Box::pin(exchange.drive(reply)),
+        Some(span) => boxed(|| exchange.drive(reply).instrument(span)),
+        None => boxed(|| exchange.drive(reply)),
     };
     let mut handoff = Handoff {
         tracker,
@@ -337,6 +337,14 @@ pub async fn run(tracker: &TaskTracker, exchange: Exchange) -> Response<Response
     .await;
     drop(handoff);
     response.unwrap_or_else(|_| Problem::UpstreamUnavailable("the exchange ended unexpectedly".into()).response())
+}
+
+/// The future `make` makes, made in the box it is kept in: the space is
+/// taken first, so the future's few kilobytes (sized for every state it
+/// goes through) need not be built beside it and copied in.
+fn boxed<F: Future + Send + 'static>(make: impl FnOnce() -> F) -> Pin<Box<dyn Future<Output = F::Output> + Send>> {
+    let exchange: Box<F> = Box::write(Box::new_uninit(), make());
+    Box::into_pin(exchange)
 }
 
 /// An exchange that must run to its end: dropped unfinished, it is spawned
