@@ -152,6 +152,35 @@ pub async fn refresh_on_replay_restarts_the_ttl(store: Arc<dyn Store>) {
     );
 }
 
+/// Only a replay restarts the TTL: a record that answers retries with a
+/// refusal (`outcome-unknown`, `response-not-replayable`) expires when its
+/// TTL passes however often it is retried.
+pub async fn refresh_on_replay_leaves_other_outcomes_to_expire(store: Arc<dyn Store>) {
+    let ttl = Duration::from_millis(1500);
+    let keys = [(key(), Outcome::Unknown), (key(), Outcome::NotReplayable)];
+    for (k, outcome) in &keys {
+        let owner = Owner::new();
+        store.claim(k, &A, owner, LONG, None).await.unwrap();
+        assert!(store.complete(k, &A, owner, outcome.clone(), ttl).await.unwrap());
+    }
+    // Retries at 0.5 s and 1 s would keep them until 2.5 s if refreshed.
+    for _ in 0..2 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        for (k, _) in &keys {
+            let claim = store.claim(k, &A, Owner::new(), LONG, Some(ttl)).await.unwrap();
+            assert!(matches!(claim, Claim::Completed { .. }), "{claim:?}");
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    for (k, outcome) in &keys {
+        assert_eq!(
+            store.claim(k, &A, Owner::new(), LONG, None).await.unwrap(),
+            Claim::Claimed,
+            "{outcome:?} was refreshed"
+        );
+    }
+}
+
 pub async fn release_frees_the_key_for_its_owner_only(store: Arc<dyn Store>) {
     let k = key();
     let owner = Owner::new();
@@ -308,6 +337,7 @@ macro_rules! contract {
             case!(a_mismatch_is_reported_with_the_first_fingerprint);
             case!(records_expire_after_their_ttl);
             case!(refresh_on_replay_restarts_the_ttl);
+            case!(refresh_on_replay_leaves_other_outcomes_to_expire);
             case!(release_frees_the_key_for_its_owner_only);
             case!(an_owner_whose_lease_ran_out_cannot_touch_its_successor);
             case!(renewal_keeps_a_claim_past_its_first_lease);

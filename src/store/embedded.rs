@@ -410,7 +410,8 @@ impl Store for EmbeddedStore {
         refresh_ttl: Option<Duration>,
     ) -> Result<Claim, StoreError> {
         // A completed record changes only by expiring: answer replays (that
-        // refresh nothing) from what is published, without the writer.
+        // refresh nothing) and other outcomes (never refreshed) from what is
+        // published, without the writer.
         let found = self.shared.find(key, None)?;
         let absent_at = found.stored.is_none().then_some(found.generation);
         if let Some(stored) = found.stored
@@ -419,7 +420,7 @@ impl Store for EmbeddedStore {
                 fingerprint: found,
                 outcome,
             } = codec::decode(stored.record)?
-            && (refresh_ttl.is_none() || found != *fingerprint)
+            && (refresh_ttl.is_none() || found != *fingerprint || !outcome.is_response())
         {
             return Ok(Claim::Completed {
                 fingerprint: found,
@@ -1004,7 +1005,7 @@ impl Batch<'_> {
                     fingerprint: found,
                     outcome,
                 } => {
-                    if let Some(ttl) = refresh.filter(|_| found == *fingerprint) {
+                    if let Some(ttl) = refresh.filter(|_| found == *fingerprint && outcome.is_response()) {
                         self.put(key, self.now.saturating_add(ttl), stored.record.clone());
                     }
                     Claim::Completed {

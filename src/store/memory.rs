@@ -344,7 +344,7 @@ impl MemoryStore {
                     State::InFlight { .. } => Claim::InFlight { fingerprint: found },
                     State::Done { outcome, .. } => {
                         let outcome = outcome.clone();
-                        if let Some(ttl) = refresh_ttl.filter(|_| found == *fingerprint) {
+                        if let Some(ttl) = refresh_ttl.filter(|_| found == *fingerprint && outcome.is_response()) {
                             entry.deadline = shard.deadlines.queue(key, now, ttl, true);
                         }
                         Claim::Completed {

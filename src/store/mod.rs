@@ -345,6 +345,14 @@ pub enum Outcome {
     Unknown,
 }
 
+impl Outcome {
+    /// Whether retries get the answer replayed (the only outcome
+    /// `refresh_ttl_on_replay` refreshes).
+    pub fn is_response(&self) -> bool {
+        matches!(self, Outcome::Response(_))
+    }
+}
+
 /// A record as stored: in flight, or completed.
 pub use codec::Decoded as Record;
 
@@ -373,8 +381,10 @@ pub enum StoreError {
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Claims `key` for `owner` with a lease, or reports what holds it.
-    /// With `refresh_ttl`, a completed record with the same fingerprint has
-    /// its time-to-live restarted in the same step.
+    /// With `refresh_ttl`, a completed record with the same fingerprint that
+    /// holds a response (a replay) has its time-to-live restarted in the
+    /// same step; other outcomes (`NotReplayable`, `Unknown`) are not
+    /// refreshed, so their refusals end when `ttl` passes.
     async fn claim(
         &self,
         key: &RecordKey,

@@ -58,7 +58,7 @@ if not v then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   return false
 end
-if ARGV[3] ~= '0' and string.byte(v, 2) ~= 0 and string.sub(v, 3, 34) == string.sub(ARGV[1], 3, 34) then
+if ARGV[3] ~= '0' and string.byte(v, 2) == 1 and string.sub(v, 3, 34) == string.sub(ARGV[1], 3, 34) then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
 end
 return v
