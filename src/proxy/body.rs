@@ -177,9 +177,12 @@ impl BodySender {
         self.frames.send(Ok(frame)).await.map_err(drop)
     }
 
-    /// Ends the body with an error the client sees as a broken response.
-    pub async fn abort(self, why: &'static str) {
-        let _ = self.frames.send(Err(why.into())).await;
+    /// Ends the body with an error the client sees as a broken response,
+    /// at once: with no room left for the error (a client not reading),
+    /// the sender is dropped unfinished, which ends the body with
+    /// [`CutOff`] just the same once the queued frames are read.
+    pub fn abort(self, why: &'static str) {
+        let _ = self.frames.try_send(Err(why.into()));
     }
 
     /// Ends the body normally. A sender dropped without `finish` ends it
@@ -253,5 +256,47 @@ impl Body for ResponseBody {
             ResponseBody::Upstream { body, .. } => body.size_hint(),
             ResponseBody::Channel { .. } => SizeHint::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt;
+
+    use super::*;
+
+    fn data(frame: Option<Result<Frame<Bytes>, BoxError>>) -> Bytes {
+        frame
+            .expect("a frame")
+            .expect("data, not an error")
+            .into_data()
+            .expect("data")
+    }
+
+    #[tokio::test]
+    async fn an_abort_ends_the_body_with_its_error_after_the_queued_frames() {
+        let (tx, mut body) = ResponseBody::channel(2);
+        tx.send(Frame::data(Bytes::from_static(b"a"))).await.unwrap();
+        tx.abort("the upstream response broke off");
+        assert_eq!(data(body.frame().await), "a");
+        let error = body.frame().await.expect("an error").unwrap_err();
+        assert_eq!(error.to_string(), "the upstream response broke off");
+    }
+
+    #[tokio::test]
+    async fn an_abort_does_not_wait_for_a_client_that_stopped_reading() {
+        let (tx, mut body) = ResponseBody::channel(2);
+        for frame in ["a", "b"] {
+            tx.send(Frame::data(Bytes::from_static(frame.as_bytes())))
+                .await
+                .unwrap();
+        }
+        // The queue is full; the abort returns at once all the same (it is
+        // not async), and the body still ends broken, not complete.
+        tx.abort("the upstream response timed out");
+        assert_eq!(data(body.frame().await), "a");
+        assert_eq!(data(body.frame().await), "b");
+        let error = body.frame().await.expect("an error").unwrap_err();
+        assert!(error.is::<CutOff>(), "{error}");
     }
 }

@@ -511,13 +511,13 @@ impl Exchange {
                     Ok(Some(Err(error))) => {
                         tracing::warn!(key = %key.tag(), %error, "upstream body broke off");
                         fail(guard, policy, Failure::Broken).await;
-                        abort(relay.client, "the upstream response broke off").await;
+                        abort(relay.client, "the upstream response broke off");
                         return;
                     }
                     Err(_) => {
                         tracing::warn!(key = %key.tag(), "upstream body timed out");
                         fail(guard, policy, Failure::Timeout).await;
-                        abort(relay.client, "the upstream response timed out").await;
+                        abort(relay.client, "the upstream response timed out");
                         return;
                     }
                 };
@@ -616,9 +616,11 @@ async fn fail(guard: ClaimGuard, policy: &Policy, failure: Failure) -> Problem {
 }
 
 /// Ends the client's body with an error, so it sees a broken response
-/// rather than a complete-looking truncated one.
-async fn abort(client: Option<BodySender>, why: &'static str) {
+/// rather than a complete-looking truncated one. Never waits: a client that
+/// stopped reading must not keep the exchange (and its upstream
+/// connection) alive.
+fn abort(client: Option<BodySender>, why: &'static str) {
     if let Some(tx) = client {
-        tx.abort(why).await;
+        tx.abort(why);
     }
 }

@@ -213,7 +213,7 @@ async fn answer(
             tokio::spawn(async move {
                 let _ = tx.send(Frame::data(Bytes::from_static(b"partial"))).await;
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                tx.abort("broken").await;
+                tx.abort("broken");
             });
             let mut response = Response::new(body);
             response
