@@ -330,3 +330,91 @@ async fn a_client_that_stops_reading_is_cut_off_and_the_record_still_completes()
     assert_eq!(upstream.hits(), 1);
     drop(stalled);
 }
+
+#[tokio::test]
+async fn a_slow_client_does_not_use_up_the_upstreams_time() {
+    // 16 MiB at once, more than the sockets and the frame queue hold, then
+    // the end of the body 300 ms after the proxy has taken the rest.
+    const BIG: usize = 16 << 20;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = hits.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match socket.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let start = format!("HTTP/1.1 201 Created\r\ntransfer-encoding: chunked\r\n\r\n{BIG:x}\r\n");
+                socket.write_all(start.as_bytes()).await.unwrap();
+                socket.write_all(&vec![b'x'; BIG]).await.unwrap();
+                socket.write_all(b"\r\n").await.unwrap();
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                socket.write_all(b"3\r\nend\r\n0\r\n\r\n").await.unwrap();
+                let _ = socket.read(&mut buf).await;
+            });
+        }
+    });
+    let proxy = Proxy::start(
+        &url,
+        "[server]\nheader_read_timeout = \"6s\"\n[upstream]\ntimeout = \"3s\"\n[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\nmax_response_body = \"32MiB\"\n",
+    )
+    .await;
+
+    // A client that takes the head, then pauses 3.5 s (past the upstream's
+    // 3 s, within its own 6 s per frame) before it reads the body.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(64 * 1024).unwrap();
+    let mut slow = socket.connect(proxy.addr).await.unwrap();
+    slow.write_all(b"POST /v1/orders HTTP/1.1\r\nhost: x\r\nidempotency-key: slow\r\ncontent-length: 0\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let mut buf = vec![0; 64 * 1024];
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = slow.read(&mut buf).await.unwrap();
+        assert!(n > 0, "the connection closed before the head");
+        answer.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        answer.starts_with(b"HTTP/1.1 201"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let read_all = async {
+        loop {
+            match slow.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => answer.extend_from_slice(&buf[..n]),
+            }
+            if answer.ends_with(b"\r\n0\r\n\r\n") {
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), read_all).await.unwrap();
+    assert!(
+        answer.ends_with(b"\r\n0\r\n\r\n"),
+        "the body was cut off after {} bytes: {:?}",
+        answer.len(),
+        String::from_utf8_lossy(&answer[answer.len().saturating_sub(40)..])
+    );
+
+    // The record was completed, not failed as an upstream timeout: a retry
+    // is the replay, and the upstream saw one request.
+    let retry = TestClient::default()
+        .send("POST", &proxy.url("/v1/orders"), &[("idempotency-key", "slow")], "")
+        .await;
+    assert!(retry.replayed(), "{:?}", retry.status);
+    assert_eq!(retry.body.len(), BIG + 3);
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

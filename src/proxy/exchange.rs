@@ -499,13 +499,14 @@ impl Exchange {
             recorder,
             key,
             client_timeout,
+            waited: Duration::ZERO,
         };
         for data in early {
             relay.data(data).await;
         }
         if !whole {
             loop {
-                let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+                let frame = match tokio::time::timeout_at(deadline + relay.waited, body.frame()).await {
                     Ok(None) => break,
                     Ok(Some(Ok(frame))) => frame,
                     Ok(Some(Err(error))) => {
@@ -557,6 +558,10 @@ struct Relay {
     /// How long a client may take to accept a frame before it is cut off
     /// (and the exchange goes on recording without it).
     client_timeout: Duration,
+    /// Time spent handing frames to the client: the upstream's deadline is
+    /// moved on by it, as a slow client holds the upstream back (the frame
+    /// queue fills, then the sockets) without the upstream being slow.
+    waited: Duration,
 }
 
 impl Relay {
@@ -570,8 +575,11 @@ impl Relay {
         let previous = self.held.replace(last);
         let frames = previous.into_iter().chain((!data.is_empty()).then_some(data));
         for frame in frames {
+            let asked = Instant::now();
+            let sent = tokio::time::timeout(self.client_timeout, tx.send(Frame::data(frame))).await;
+            self.waited += asked.elapsed();
             // A client that left, or stopped reading: go on without it.
-            if tokio::time::timeout(self.client_timeout, tx.send(Frame::data(frame))).await != Ok(Ok(())) {
+            if sent != Ok(Ok(())) {
                 tracing::debug!(key = %self.key.tag(), "client gone or stalled; finishing the exchange for the record");
                 self.client = None;
                 return;
