@@ -38,6 +38,7 @@ fn the_example_parses_and_mentions_every_option() {
         "url",
         "connect_timeout",
         "timeout",
+        "idle_timeout",
         "ca",
         "backend",
         "path",

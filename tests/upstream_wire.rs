@@ -215,3 +215,27 @@ async fn bodies_of_unknown_length_go_upstream_chunked() {
     let seen = &upstream.seen()[0];
     assert_eq!(seen.headers.get("transfer-encoding").unwrap(), "chunked");
 }
+
+#[tokio::test]
+async fn a_connection_idle_past_idle_timeout_is_not_reused() {
+    let upstream = raw_upstream().await;
+    let proxy = Proxy::start(&upstream.url, "[upstream]\nidle_timeout = \"300ms\"\n").await;
+    let client = TestClient::default();
+    let get = || {
+        let (client, url) = (client.clone(), proxy.url("/length"));
+        async move { client.send("GET", &url, &[], "").await.text() }
+    };
+
+    assert_eq!(get().await, "length");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(get().await, "length");
+    assert_eq!(upstream.connections.load(Ordering::SeqCst), 1, "idle 100 ms: reused");
+
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(get().await, "length");
+    assert_eq!(
+        upstream.connections.load(Ordering::SeqCst),
+        2,
+        "idle 600 ms, past the 300 ms idle_timeout: a new connection"
+    );
+}

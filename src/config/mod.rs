@@ -53,6 +53,9 @@ pub struct UpstreamConfig {
     pub url: Uri,
     pub connect_timeout: Duration,
     pub timeout: Duration,
+    /// How long a pooled upstream connection may sit idle before it is
+    /// closed rather than reused.
+    pub idle_timeout: Duration,
     pub ca: Option<PathBuf>,
 }
 

@@ -49,6 +49,7 @@ pub struct RawUpstream {
     pub url: Option<String>,
     pub connect_timeout: Option<String>,
     pub timeout: Option<String>,
+    pub idle_timeout: Option<String>,
     pub ca: Option<String>,
 }
 

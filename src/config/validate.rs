@@ -395,6 +395,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             Duration::from_secs(2),
         ),
         timeout: c.positive_duration("upstream.timeout", u.timeout.as_ref(), Duration::from_secs(30)),
+        idle_timeout: c.positive_duration("upstream.idle_timeout", u.idle_timeout.as_ref(), Duration::from_secs(4)),
         ca: u.ca.as_ref().map(PathBuf::from),
     };
 

@@ -40,8 +40,6 @@ use crate::config::UpstreamConfig;
 use crate::server::tls::{self, TlsError};
 use crate::wire::{self, Chunked, MAX_HEAD, MAX_HEADERS, next_chunk};
 
-/// Idle connections older than this are closed rather than reused.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 const MAX_IDLE_PER_UPSTREAM: usize = 1024;
 /// Bytes read from the upstream at a time, at least.
 const READ_CHUNK: usize = 16 * 1024;
@@ -60,6 +58,8 @@ struct Inner {
     id: u64,
     tls: TlsConnector,
     connect_timeout: Duration,
+    /// `upstream.idle_timeout`.
+    idle_timeout: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -95,6 +95,7 @@ pub fn client(config: &UpstreamConfig) -> Result<UpstreamClient, TlsError> {
             // that cannot be made fails as "never sent" (released) before
             // the exchange times out as "sent" (on_upstream_failure decides).
             connect_timeout: config.connect_timeout.min(config.timeout / 2),
+            idle_timeout: config.idle_timeout,
         }),
     })
 }
@@ -107,6 +108,8 @@ struct PoolKey {
     runtime: Option<tokio::runtime::Id>,
     https: bool,
     authority: Authority,
+    /// The client's `idle_timeout` (one per client, so not compared).
+    idle_timeout: Duration,
 }
 
 /// The authorities compare as written: they come from one configured URL,
@@ -130,7 +133,7 @@ fn checkout(key: &PoolKey) -> Option<Conn> {
     POOL.with_borrow_mut(|pool| {
         let (_, idle) = pool.iter_mut().find(|(k, _)| k == key)?;
         while let Some(mut conn) = idle.pop() {
-            if conn.usable() {
+            if conn.usable(key.idle_timeout) {
                 return Some(conn);
             }
         }
@@ -154,7 +157,7 @@ fn checkin(key: PoolKey, mut conn: Conn) {
                 // looking no further than the first one still in it.
                 let stale = idle
                     .iter()
-                    .take_while(|c| now.saturating_duration_since(c.idle_since) > IDLE_TIMEOUT)
+                    .take_while(|c| now.saturating_duration_since(c.idle_since) > key.idle_timeout)
                     .count();
                 idle.drain(..stale);
                 if idle.len() < MAX_IDLE_PER_UPSTREAM {
@@ -220,11 +223,11 @@ struct Conn {
 }
 
 impl Conn {
-    /// Whether an idle connection can carry another request: not too old,
-    /// and nothing (an EOF, stray bytes, a TLS close) arrived while it was
-    /// idle.
-    fn usable(&mut self) -> bool {
-        if coarse_now().saturating_duration_since(self.idle_since) > IDLE_TIMEOUT || !self.buf.is_empty() {
+    /// Whether an idle connection can carry another request: idle no longer
+    /// than `idle_timeout`, and nothing (an EOF, stray bytes, a TLS close)
+    /// arrived while it was idle.
+    fn usable(&mut self, idle_timeout: Duration) -> bool {
+        if coarse_now().saturating_duration_since(self.idle_since) > idle_timeout || !self.buf.is_empty() {
             return false;
         }
         if let Stream::Tls(tls) = &mut self.stream {
@@ -271,6 +274,7 @@ impl UpstreamClient {
                 .authority()
                 .cloned()
                 .ok_or(UpstreamError::Protocol("the upstream URI has no authority"))?,
+            idle_timeout: self.inner.idle_timeout,
         };
         let mut conn = match checkout(&key) {
             Some(conn) => conn,
