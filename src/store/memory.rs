@@ -298,13 +298,18 @@ impl Shard {
             let mut batch = [(0, RecordKey([0; 32])); EVICT_BATCH];
             let mut taken = 0;
             while taken < EVICT_BATCH
-                && let Some(queue) = self.oldest_ttl()
-                && let Some(&(_, seq, key)) = queue.front()
-                && key != *newest
+                && let Some(&(_, seq, key)) = self.oldest_ttl().and_then(|queue| queue.front())
             {
-                queue.pop_front();
-                batch[taken] = (seq, key);
-                taken += 1;
+                // The record just written stays; an older item of its key
+                // (from before a purge or expiry) is only stale.
+                if key == *newest && self.is_current(&key, seq) {
+                    break;
+                }
+                self.oldest_ttl().expect("its front was just read").pop_front();
+                if key != *newest {
+                    batch[taken] = (seq, key);
+                    taken += 1;
+                }
             }
             if taken == 0 {
                 break;
@@ -666,6 +671,37 @@ mod tests {
             );
             assert_eq!(store.stored_bytes(), held * size);
         }
+    }
+
+    #[tokio::test]
+    async fn a_stale_item_of_the_newest_record_does_not_stop_eviction() {
+        // Twenty records of one shard fit its budget.
+        let size = outcome_size(&response(100));
+        let store = MemoryStore::new((SHARDS * size * 20) as u64);
+        let fp = Fingerprint([0; 32]);
+        let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+        let keys: Vec<RecordKey> = keys_of_shard(5).take(21).collect();
+        for (i, key) in keys[..20].iter().enumerate() {
+            let owner = Owner(i as u128);
+            store.claim(key, &fp, owner, lease, None).await.unwrap();
+            assert!(store.complete(key, &fp, owner, response(100), ttl).await.unwrap());
+        }
+        // The oldest record is purged and stored again: its first TTL item,
+        // now stale, is still at the front of the queue.
+        assert!(store.purge(&keys[0]).await.unwrap());
+        let owner = Owner(100);
+        store.claim(&keys[20], &fp, owner, lease, None).await.unwrap();
+        assert!(store.complete(&keys[20], &fp, owner, response(100), ttl).await.unwrap());
+        let owner = Owner(101);
+        store.claim(&keys[0], &fp, owner, lease, None).await.unwrap();
+        assert!(store.complete(&keys[0], &fp, owner, response(100), ttl).await.unwrap());
+        // Twenty-one records against a budget of twenty: a batch went.
+        let held = lock(&store.shared.shards[5]).entries.len();
+        assert!(held <= 20, "{held} records held over a budget of 20");
+        assert!(matches!(
+            store.claim(&keys[0], &fp, Owner(9), lease, None).await.unwrap(),
+            Claim::Completed { .. }
+        ));
     }
 
     #[tokio::test]
