@@ -181,6 +181,25 @@ pub async fn refresh_on_replay_leaves_other_outcomes_to_expire(store: Arc<dyn St
     }
 }
 
+/// A claim is idempotent for its owner: the Redis Cluster client resends a
+/// command after a dropped connection, and the resent claim must not take
+/// the first one's work for someone else's (a 409 until the lease ran out).
+pub async fn a_claim_that_finds_its_own_claim_is_claimed(store: Arc<dyn Store>) {
+    let k = key();
+    let owner = Owner::new();
+    assert_eq!(store.claim(&k, &A, owner, LONG, None).await.unwrap(), Claim::Claimed);
+    assert_eq!(store.claim(&k, &A, owner, LONG, None).await.unwrap(), Claim::Claimed);
+    assert!(matches!(
+        store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap(),
+        Claim::InFlight { .. }
+    ));
+    assert!(store.complete(&k, &A, owner, response("x"), LONG).await.unwrap());
+    assert!(matches!(
+        store.claim(&k, &A, owner, LONG, None).await.unwrap(),
+        Claim::Completed { .. }
+    ));
+}
+
 pub async fn release_frees_the_key_for_its_owner_only(store: Arc<dyn Store>) {
     let k = key();
     let owner = Owner::new();
@@ -338,6 +357,7 @@ macro_rules! contract {
             case!(records_expire_after_their_ttl);
             case!(refresh_on_replay_restarts_the_ttl);
             case!(refresh_on_replay_leaves_other_outcomes_to_expire);
+            case!(a_claim_that_finds_its_own_claim_is_claimed);
             case!(release_frees_the_key_for_its_owner_only);
             case!(an_owner_whose_lease_ran_out_cannot_touch_its_successor);
             case!(renewal_keeps_a_claim_past_its_first_lease);

@@ -1000,6 +1000,7 @@ impl Batch<'_> {
     ) -> Result<Claim, StoreError> {
         if let Some(stored) = self.live_unless(key, absent_at)? {
             return Ok(match codec::decode(stored.record.clone())? {
+                Decoded::InFlight { owner: held, .. } if held == owner => Claim::Claimed,
                 Decoded::InFlight { fingerprint: found, .. } => Claim::InFlight { fingerprint: found },
                 Decoded::Completed {
                     fingerprint: found,

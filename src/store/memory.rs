@@ -346,6 +346,7 @@ impl MemoryStore {
                 let entry = slot.into_mut();
                 let found = entry.fingerprint;
                 return match &entry.state {
+                    State::InFlight { owner: held, .. } if *held == owner => Claim::Claimed,
                     State::InFlight { .. } => Claim::InFlight { fingerprint: found },
                     State::Done { outcome, .. } => {
                         let outcome = outcome.clone();

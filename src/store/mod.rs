@@ -381,6 +381,8 @@ pub enum StoreError {
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Claims `key` for `owner` with a lease, or reports what holds it.
+    /// A claim that finds `owner`'s own claim is `Claimed` (a command
+    /// resent after a dropped connection may find the first one's work).
     /// With `refresh_ttl`, a completed record with the same fingerprint that
     /// holds a response (a replay) has its time-to-live restarted in the
     /// same step; other outcomes (`NotReplayable`, `Unknown`) are not

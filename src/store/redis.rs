@@ -589,6 +589,9 @@ impl Store for RedisStore {
             return Ok(Claim::Claimed);
         };
         Ok(match codec::decode(Bytes::from(record))? {
+            // Our own claim: the cluster client resent the command after a
+            // dropped connection, and the first one had taken the key.
+            Decoded::InFlight { owner: found, .. } if found == owner => Claim::Claimed,
             Decoded::InFlight { fingerprint, .. } => Claim::InFlight { fingerprint },
             Decoded::Completed { fingerprint, outcome } => Claim::Completed { fingerprint, outcome },
         })
