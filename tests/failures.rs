@@ -418,3 +418,55 @@ async fn a_slow_client_does_not_use_up_the_upstreams_time() {
     assert_eq!(retry.body.len(), BIG + 3);
     assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
+
+#[tokio::test]
+async fn a_cut_off_answer_to_http_1_0_ends_in_a_reset_not_a_clean_close() {
+    // Chunked, so the answer to an HTTP/1.0 client has no length and only
+    // the close ends it; the upstream breaks off in the middle.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match socket.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = socket
+                    .write_all(b"HTTP/1.1 201 Created\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+                    .await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            });
+        }
+    });
+    let proxy = Proxy::start(&url, "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n").await;
+
+    let mut client = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    client
+        .write_all(b"POST /v1/orders HTTP/1.0\r\nidempotency-key: ten\r\ncontent-length: 0\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0; 4096];
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match client.read(&mut buf).await {
+                Ok(0) => return Ok(()),
+                Ok(n) => answer.extend_from_slice(&buf[..n]),
+                Err(error) => return Err(error),
+            }
+        }
+    })
+    .await
+    .unwrap();
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    assert!(text.starts_with("HTTP/1.1 201"), "{text}");
+    assert!(!text.to_lowercase().contains("content-length"), "{text}");
+    let error = ended.expect_err("a clean close after a cut-off body looks complete");
+    assert_eq!(error.kind(), std::io::ErrorKind::ConnectionReset, "{error}");
+}

@@ -74,7 +74,7 @@ pub async fn serve<S>(
     shutdown: CancellationToken,
 ) -> Ended<S>
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send,
+    S: AsyncRead + AsyncWrite + Reset + Unpin + Send,
 {
     let mut conn = Connection {
         io,
@@ -84,6 +84,7 @@ where
         timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
         timeout: header_read_timeout,
         shutdown: Box::pin(shutdown.clone().cancelled_owned()),
+        delimited_by_close: false,
     };
     let mut first = true;
     loop {
@@ -213,6 +214,29 @@ struct Connection<S> {
     timer: Pin<Box<Sleep>>,
     timeout: Duration,
     shutdown: Pin<Box<WaitForCancellationFutureOwned>>,
+    /// An answer that only the close ends (HTTP/1.0, no length) is being
+    /// written: closing cleanly now would make it look complete.
+    delimited_by_close: bool,
+}
+
+/// A connection that can be reset: closed with a TCP RST, which the client
+/// sees as an error, rather than a FIN, which ends a close-delimited body
+/// as if it were whole.
+pub trait Reset {
+    fn reset_on_close(&self);
+}
+
+impl Reset for tokio::net::TcpStream {
+    fn reset_on_close(&self) {
+        // A zero linger makes closing the socket send a reset.
+        let _ = socket2::SockRef::from(self).set_linger(Some(Duration::ZERO));
+    }
+}
+
+impl Reset for tokio_rustls::server::TlsStream<tokio::net::TcpStream> {
+    fn reset_on_close(&self) {
+        self.get_ref().0.reset_on_close();
+    }
 }
 
 /// What one wait on the connection produced.
@@ -222,7 +246,7 @@ enum Wait {
     Shutdown,
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
+impl<S: AsyncRead + AsyncWrite + Reset + Unpin> Connection<S> {
     /// Room for a read, topped up only when little is left, so small
     /// requests share one allocation.
     fn make_room(&mut self) {
@@ -466,7 +490,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     ///
     /// Bounded: a TLS close waits for the client to take what is buffered,
     /// which a client that stopped reading never does.
+    ///
+    /// An answer delimited by the close that was cut off is reset instead:
+    /// a clean close would end it as if it were whole.
     async fn close(&mut self, linger: bool) {
+        if self.delimited_by_close {
+            self.io.reset_on_close();
+            return;
+        }
         let linger = linger || !self.rbuf.is_empty();
         let _ = tokio::time::timeout(LINGER, async {
             if self.io.shutdown().await.is_err() || !linger {
@@ -556,6 +587,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             drop(body);
             return self.flush().await;
         }
+        // Until the body is written whole (see `close`).
+        self.delimited_by_close = matches!(framing, Out::Close);
 
         let mut left = match framing {
             Out::Length(n) => Some(n),
@@ -606,7 +639,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         if matches!(framing, Out::Chunked) {
             self.wbuf.extend_from_slice(b"0\r\n\r\n");
         }
-        self.flush().await
+        self.flush().await?;
+        self.delimited_by_close = false;
+        Ok(())
     }
 
     /// Waits for the body's next frame, watching the connection meanwhile:

@@ -294,7 +294,7 @@ async fn serve_connection<S>(
     header_read_timeout: Duration,
     stopping: CancellationToken,
 ) where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: AsyncRead + AsyncWrite + h1::Reset + Unpin + Send + 'static,
 {
     match h1::serve(stream, gateway.clone(), peer, header_read_timeout, stopping.clone()).await {
         h1::Ended::Closed => {}
