@@ -49,6 +49,25 @@ macro_rules! channel {
     };
 }
 const CHANNEL: &str = channel!();
+/// How long data sent to Redis may go unacknowledged by the peer's kernel
+/// before the connection counts as dead (`TCP_USER_TIMEOUT`), so it is
+/// dropped and made again. Without it a connection whose peer vanished, or
+/// whose state a NAT or firewall dropped, fails every command until TCP
+/// gives up, about 15 minutes. A slow Redis still acknowledges what it is
+/// sent: only a dead path trips this.
+const DEAD_PATH: Duration = Duration::from_secs(5);
+
+/// The TCP settings of every connection to Redis: those the URL would give
+/// (Nagle's algorithm left on, as before) plus [`DEAD_PATH`].
+fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    redis::io::tcp::TcpSettings::default().set_user_timeout(DEAD_PATH)
+}
+
+/// A client for `url` with [`tcp_settings`].
+fn open(url: &str) -> Result<redis::Client, RedisError> {
+    use redis::IntoConnectionInfo;
+    redis::Client::open(url.into_connection_info()?.set_tcp_settings(tcp_settings()))
+}
 /// A waiter re-checks its record at least this often.
 const RECHECK: Duration = Duration::from_secs(1);
 
@@ -340,7 +359,7 @@ fn record_key_of(redis_key: &[u8]) -> Option<RecordKey> {
 impl RedisStore {
     /// One Redis server at `url`. Connects lazily and reconnects by itself.
     pub fn single(url: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
-        let client = redis::Client::open(url).map_err(unavailable)?;
+        let client = open(url).map_err(unavailable)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
             // Every call already has the store's deadline (`StoreHandle`,
@@ -363,12 +382,13 @@ impl RedisStore {
             .connection_timeout(timeout)
             .response_timeout(timeout)
             .retries(2)
+            .tcp_settings(tcp_settings())
             .build()
             .map_err(unavailable)?;
         // PUBLISH reaches every node of a cluster: subscribe to any of them.
         let nodes = urls
             .iter()
-            .map(|u| redis::Client::open(u.as_str()))
+            .map(|u| open(u))
             .collect::<Result<Vec<_>, _>>()
             .map_err(unavailable)?;
         let connection = Connection::Cluster {
