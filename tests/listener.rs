@@ -94,7 +94,12 @@ async fn http_1_0_closes_unless_kept_alive() {
     assert!(first.contains("connection: keep-alive"), "{first}");
     let second = until_close(&mut stream, b"GET /b HTTP/1.0\r\n\r\n").await;
     assert!(second.contains("HTTP/1.1 201"), "{second}");
-    assert_eq!(upstream.hits(), 3);
+
+    // Both tokens: close wins.
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let both = until_close(&mut stream, b"GET /c HTTP/1.0\r\nconnection: keep-alive, close\r\n\r\n").await;
+    assert!(both.contains("connection: close"), "{both}");
+    assert_eq!(upstream.hits(), 4);
 }
 
 #[tokio::test]

@@ -772,11 +772,8 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
 /// A request's body framing (RFC 9112 §6), whether the connection may
 /// carry another request, and whether the client waits for `100 Continue`.
 fn framing(headers: &HeaderMap, noted: &wire::Noted, version: Version) -> Result<(BodyFraming, bool, bool), Refusal> {
-    let keep_alive = if version == Version::HTTP_11 {
-        !noted.close
-    } else {
-        noted.keep_alive
-    };
+    // `close` wins over `keep-alive` when a client sends both.
+    let keep_alive = !noted.close && (version == Version::HTTP_11 || noted.keep_alive);
     // RFC 9112 §3.2, as nginx: one Host on HTTP/1.1, never two.
     if noted.hosts == 0 && version == Version::HTTP_11 {
         return Err(Refusal::BadRequest("an HTTP/1.1 request needs a host header"));
