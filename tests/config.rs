@@ -222,6 +222,28 @@ fn sizes_and_durations() {
 }
 
 #[test]
+fn leases_and_ttls_shorter_than_a_second_are_refused() {
+    // A sub-millisecond lease is rounded to nothing by the stores: a claim
+    // would be gone as it is written, and a second request let in.
+    let error = Config::parse(
+        "[upstream]\nurl = \"http://h:1\"\n[[route]]\nname = \"a\"\npath = \"/a\"\nlock_timeout = \"500us\"\nttl = \"999ms\"\n",
+        "x.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    for field in ["route[0].lock_timeout", "route[0].ttl"] {
+        assert!(error.contains(field), "`{field}` missing from:\n{error}");
+    }
+    assert!(error.contains("at least 1s"), "{error}");
+    let config = Config::parse(
+        "[upstream]\nurl = \"http://h:1\"\n[[route]]\nname = \"a\"\npath = \"/a\"\nlock_timeout = \"1s\"\nttl = \"1s\"\n",
+        "x.toml",
+    )
+    .unwrap();
+    assert_eq!(config.routes[0].policy.lock_timeout, Duration::from_secs(1));
+}
+
+#[test]
 fn check_prints_each_route_and_exits_zero() {
     let output = idemgate(&["check", "--config", "config.example.toml"]);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));

@@ -57,6 +57,25 @@ impl Checker {
         })
     }
 
+    /// A duration of at least `min`, said in the message when it is not.
+    fn duration_at_least(
+        &mut self,
+        field: &str,
+        raw: Option<&String>,
+        default: Duration,
+        min: Duration,
+        why: &str,
+    ) -> Duration {
+        self.field(field, raw, default, |s| {
+            let d = parse_duration(s)?;
+            if d < min {
+                Err(format!("must be at least {}: {why}", humantime::format_duration(min)))
+            } else {
+                Ok(d)
+            }
+        })
+    }
+
     fn size(&mut self, field: &str, raw: Option<&RawSize>, default: u64) -> u64 {
         self.field(field, raw, default, parse_size)
     }
@@ -275,8 +294,20 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
     };
     Policy {
         methods,
-        ttl: c.positive_duration(&f("ttl"), raw.ttl.as_ref(), base.ttl),
-        lock_timeout: c.positive_duration(&f("lock_timeout"), raw.lock_timeout.as_ref(), base.lock_timeout),
+        ttl: c.duration_at_least(
+            &f("ttl"),
+            raw.ttl.as_ref(),
+            base.ttl,
+            Duration::from_secs(1),
+            "the stores keep time in milliseconds or coarser, and a record must outlive its own write",
+        ),
+        lock_timeout: c.duration_at_least(
+            &f("lock_timeout"),
+            raw.lock_timeout.as_ref(),
+            base.lock_timeout,
+            Duration::from_secs(1),
+            "a shorter lease can run out while the claim is still being written, letting a second request in",
+        ),
         scope: c.headers(&f("scope"), raw.scope.as_ref(), &base.scope),
         on_in_flight: c.choice(
             &f("on_in_flight"),
