@@ -244,6 +244,20 @@ fn leases_and_ttls_shorter_than_a_second_are_refused() {
 }
 
 #[test]
+fn check_output_masks_redis_passwords() {
+    for store in [
+        "backend = \"redis\"\nurl = \"redis://:s3cret@127.0.0.1:6379/0\"",
+        "backend = \"redis\"\nurls = [\"redis://app:s3cret@127.0.0.1:7000\", \"redis://127.0.0.1:7001\"]",
+    ] {
+        let text = format!("[upstream]\nurl = \"http://h:1\"\n[store]\n{store}\n");
+        let config = Config::parse(&text, "x.toml").unwrap();
+        let described = idemgate::config::describe(&config);
+        assert!(!described.contains("s3cret"), "{described}");
+        assert!(described.contains(":***@127.0.0.1"), "{described}");
+    }
+}
+
+#[test]
 fn check_prints_each_route_and_exits_zero() {
     let output = idemgate(&["check", "--config", "config.example.toml"]);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));

@@ -67,12 +67,42 @@ pub struct StoreConfig {
     pub timeout: Duration,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone, PartialEq, Eq)]
 pub enum StoreBackend {
     Memory { max_memory: u64 },
     Embedded { path: PathBuf },
     Redis { url: String },
     RedisCluster { urls: Vec<String> },
+}
+
+/// Redis URLs with their passwords masked: `idemgate check` prints this.
+impl std::fmt::Debug for StoreBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreBackend::Memory { max_memory } => f.debug_struct("Memory").field("max_memory", max_memory).finish(),
+            StoreBackend::Embedded { path } => f.debug_struct("Embedded").field("path", path).finish(),
+            StoreBackend::Redis { url } => f.debug_struct("Redis").field("url", &masked(url)).finish(),
+            StoreBackend::RedisCluster { urls } => f
+                .debug_struct("RedisCluster")
+                .field("urls", &urls.iter().map(|u| masked(u)).collect::<Vec<_>>())
+                .finish(),
+        }
+    }
+}
+
+/// `url` with the password of its user part, if any, shown as `***`.
+pub fn masked(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return url.to_string();
+    };
+    match rest[..at].split_once(':') {
+        Some((user, _password)) => format!("{scheme}://{user}:***{}", &rest[at..]),
+        None => url.to_string(),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

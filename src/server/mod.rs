@@ -81,7 +81,7 @@ impl Reloader {
         if config.server.listen != before.server.listen || config.server.admin_listen != before.server.admin_listen {
             tracing::warn!("listen addresses changed: they take effect after a restart");
         }
-        if format!("{:?}", config.store.backend) != format!("{:?}", before.store.backend) {
+        if config.store.backend != before.store.backend {
             tracing::warn!("store backend changed: it takes effect after a restart");
         }
         if config.server.tls.is_some() != before.server.tls.is_some() {
