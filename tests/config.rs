@@ -258,6 +258,22 @@ fn check_output_masks_redis_passwords() {
 }
 
 #[test]
+fn an_admin_listener_off_loopback_needs_a_token() {
+    let base = "[upstream]\nurl = \"http://h:1\"\n[server]\n";
+    let error = Config::parse(&format!("{base}admin_listen = \"0.0.0.0:9901\"\n"), "x.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("server.admin_token"), "{error}");
+    assert!(error.contains("loopback"), "{error}");
+    Config::parse(
+        &format!("{base}admin_listen = \"0.0.0.0:9901\"\nadmin_token = \"t0ken\"\n"),
+        "x.toml",
+    )
+    .unwrap();
+    Config::parse(&format!("{base}admin_listen = \"[::1]:9901\"\n"), "x.toml").unwrap();
+}
+
+#[test]
 fn check_prints_each_route_and_exits_zero() {
     let output = idemgate(&["check", "--config", "config.example.toml"]);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));

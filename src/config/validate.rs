@@ -408,6 +408,17 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             },
         ),
     };
+    if let Some(admin) = server.admin_listen
+        && !admin.ip().is_loopback()
+        && server.admin_token.is_none()
+    {
+        c.problem(
+            "server.admin_token",
+            format!(
+                "is required when server.admin_listen ({admin}) is not a loopback address: /records can purge records"
+            ),
+        );
+    }
 
     let u = &raw.upstream;
     let placeholder: Uri = Uri::from_static("http://127.0.0.1:3000");

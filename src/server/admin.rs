@@ -34,7 +34,12 @@ pub async fn serve(
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
-                Err(_) => continue,
+                // Out of file descriptors, say: pause rather than spin on
+                // the worker that also serves the proxy (as its listener does).
+                Err(_) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                    continue;
+                }
             },
             _ = stop.changed() => return,
         };
