@@ -274,6 +274,40 @@ fn an_admin_listener_off_loopback_needs_a_token() {
 }
 
 #[test]
+fn store_paths_and_urls_are_checked_before_anything_is_bound() {
+    let base = "[upstream]\nurl = \"http://h:1\"\n[store]\n";
+    for (store, field, says) in [
+        ("backend = \"embedded\"\npath = \"\"", "store.path", "must name a file"),
+        (
+            "backend = \"embedded\"\npath = \"/no/such/dir/idemgate.redb\"",
+            "store.path",
+            "/no/such/dir does not exist",
+        ),
+        (
+            "backend = \"redis\"\nurl = \"http://:pw@127.0.0.1:6379\"",
+            "store.url",
+            "is not a Redis URL",
+        ),
+        (
+            "backend = \"redis\"\nurls = [\"redis://127.0.0.1:7000\", \"127.0.0.1 7001\"]",
+            "store.urls",
+            "is not a Redis URL",
+        ),
+    ] {
+        let error = Config::parse(&format!("{base}{store}\n"), "x.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains(field) && error.contains(says), "{store}: {error}");
+        assert!(!error.contains(":pw@"), "{error}");
+    }
+    Config::parse(
+        &format!("{base}backend = \"embedded\"\npath = \"idemgate.redb\"\n"),
+        "x.toml",
+    )
+    .unwrap();
+}
+
+#[test]
 fn check_prints_each_route_and_exits_zero() {
     let output = idemgate(&["check", "--config", "config.example.toml"]);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));

@@ -475,6 +475,21 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             StoreBackend::Memory { max_memory: 0 }
         }
     };
+    // What would otherwise fail only when the store opens, after the ports
+    // are bound.
+    match &backend {
+        StoreBackend::Embedded { path } => {
+            let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+            if path.as_os_str().is_empty() || path.file_name().is_none() {
+                c.problem("store.path", "must name a file");
+            } else if let Some(dir) = parent.filter(|dir| !dir.is_dir()) {
+                c.problem("store.path", format!("its directory {} does not exist", dir.display()));
+            }
+        }
+        StoreBackend::Redis { url } if !url.is_empty() => redis_url(&mut c, "store.url", url),
+        StoreBackend::RedisCluster { urls } => urls.iter().for_each(|url| redis_url(&mut c, "store.urls", url)),
+        _ => {}
+    }
     let store = StoreConfig {
         backend,
         on_error: c.choice(
@@ -550,5 +565,13 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         })
     } else {
         Err(c.problems)
+    }
+}
+
+/// A problem on `field` unless `url` is a Redis URL the client can use.
+fn redis_url(c: &mut Checker, field: &str, url: &str) {
+    use redis::IntoConnectionInfo;
+    if let Err(error) = url.into_connection_info() {
+        c.problem(field, format!("is not a Redis URL ({error})"));
     }
 }
