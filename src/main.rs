@@ -159,9 +159,13 @@ fn serve(path: &Path) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    let store = {
+    let (hangups, store) = {
         let _entered = background.enter();
-        StoreHandle::open(&config.store)?
+        // SIGHUP is taken from here on: one that comes while the store
+        // opens (replaying its log can take a while) or the workers start
+        // is applied once they run, instead of ending the process, which
+        // is what SIGHUP does by default.
+        (hangups()?, StoreHandle::open(&config.store)?)
     };
     let metrics = Arc::new(Metrics::default());
     let (stop, stopped) = tokio::sync::watch::channel(false);
@@ -197,7 +201,7 @@ fn serve(path: &Path) -> anyhow::Result<()> {
     }
     tracing::info!(workers, "idemgate serving");
     background.block_on(async {
-        reload_on_sighup(path.to_path_buf(), reloaders)?;
+        reload_on_sighup(path.to_path_buf(), reloaders, hangups);
         shutdown_signal().await;
         anyhow::Ok(())
     })?;
@@ -208,13 +212,25 @@ fn serve(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[cfg(unix)]
+type Hangups = tokio::signal::unix::Signal;
+#[cfg(not(unix))]
+type Hangups = ();
+
+/// SIGHUPs from now on, for [`reload_on_sighup`].
+fn hangups() -> anyhow::Result<Hangups> {
+    #[cfg(unix)]
+    return tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).context("cannot handle SIGHUP");
+    #[cfg(not(unix))]
+    Ok(())
+}
+
 /// SIGHUP re-reads the file and applies it to every worker; an invalid one
 /// is logged and the running configuration kept.
-fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>) -> anyhow::Result<()> {
+fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
     #[cfg(unix)]
     {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut hangups = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
+        let mut hangups = hangups;
         tokio::spawn(async move {
             while hangups.recv().await.is_some() {
                 let config = match Config::load(&path) {
@@ -237,8 +253,7 @@ fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>) -> anyhow::Result<(
         });
     }
     #[cfg(not(unix))]
-    let _ = (path, reloaders);
-    Ok(())
+    let _ = (path, reloaders, hangups);
 }
 
 /// Resolves on SIGTERM or Ctrl-C.
