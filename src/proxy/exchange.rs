@@ -178,7 +178,8 @@ impl ClaimGuard {
             // letting the lease run out: keep the claim and keep trying.
             Err(error) => {
                 tracing::error!(key = %self.key.tag(), %error, "completing the record failed; retrying");
-                tokio::spawn(retry_completion(
+                // Tracked, so a shutdown gives it `shutdown_grace` to land.
+                self.context.exchanges.spawn(retry_completion(
                     self.context.store.clone(),
                     self.key,
                     self.fingerprint,

@@ -73,6 +73,9 @@ struct Context {
     store: StoreHandle,
     client: UpstreamClient,
     metrics: Arc<Metrics>,
+    /// The tasks shutdown drains (within `shutdown_grace`): exchanges
+    /// handed off, and completions being retried.
+    exchanges: TaskTracker,
 }
 
 /// One configuration, ready to serve: routes, store, upstream client.
@@ -136,6 +139,7 @@ impl Gateway {
                 client: upstream::client(&config.upstream)?,
                 store,
                 metrics,
+                exchanges: exchanges.clone(),
             }),
             config,
             exchanges,
