@@ -396,3 +396,25 @@ on_upstream_failure = "unknown"
     assert!(metrics.contains("idemgate_claims_in_flight 0"), "{metrics}");
     assert!(metrics.contains("idemgate_stored_bytes"), "{metrics}");
 }
+
+#[tokio::test]
+async fn a_reload_names_the_fields_that_wait_for_a_restart() {
+    let logs = captured();
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
+    proxy.reload(
+        &upstream.url(),
+        &format!(
+            "[server]\nheader_read_timeout = \"3s\"\n[store]\ntimeout = \"2s\"\n{}",
+            support::ORDERS
+        ),
+    );
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    for field in ["server.header_read_timeout", "store.timeout"] {
+        assert!(
+            text.lines().any(|l| l.contains(field) && l.contains("after a restart")),
+            "no warning for {field} in:\n{text}"
+        );
+    }
+    proxy.stop().await;
+}

@@ -87,6 +87,27 @@ impl Reloader {
         if config.server.tls.is_some() != before.server.tls.is_some() {
             tracing::warn!("turning TLS on or off takes effect after a restart");
         }
+        let tls_files = |c: &Config| c.server.tls.as_ref().map(|t| (t.cert.clone(), t.key.clone()));
+        let restart_only = [
+            (
+                "server.tls",
+                config.server.tls.is_some() && before.server.tls.is_some() && tls_files(&config) != tls_files(before),
+            ),
+            (
+                "server.header_read_timeout",
+                config.server.header_read_timeout != before.server.header_read_timeout,
+            ),
+            ("server.workers", config.server.workers != before.server.workers),
+            ("store.timeout", config.store.timeout != before.store.timeout),
+        ];
+        for (field, changed) in restart_only {
+            if changed {
+                tracing::warn!(
+                    field,
+                    "changed: it takes effect after a restart (the rest is applied now)"
+                );
+            }
+        }
         let gateway = Gateway::new(
             Arc::new(config),
             old.store().clone(),
