@@ -133,6 +133,11 @@ enum Op {
         key: RecordKey,
         reply: oneshot::Sender<Result<bool, StoreError>>,
     },
+    /// Answered with the batch it falls in: the writer is alive and
+    /// getting through its work.
+    Ping {
+        reply: oneshot::Sender<Result<bool, StoreError>>,
+    },
 }
 
 impl Op {
@@ -143,6 +148,7 @@ impl Op {
                 outcome: Outcome::Response(response),
                 ..
             } => 128 + response.size(),
+            Op::Ping { .. } => 0,
             _ => 128,
         }
     }
@@ -497,7 +503,11 @@ impl Store for EmbeddedStore {
         if let Some(failure) = self.shared.failed.get() {
             return Err(StoreError::Unavailable(failure.clone().into()));
         }
-        self.shared.db.begin_read().map(drop).map_err(unavailable)
+        self.shared.db.begin_read().map(drop).map_err(unavailable)?;
+        // Through the writer too: one that died or is stuck (its overlay
+        // full while checkpoints fail) answers no claim, so the store is
+        // not ready; the caller's deadline bounds the wait.
+        self.send(|reply| Op::Ping { reply }).await.map(drop)
     }
 
     async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
@@ -986,6 +996,7 @@ impl Batch<'_> {
                 });
                 Pending::Flag(reply, result, None)
             }
+            Op::Ping { reply } => Pending::Flag(reply, Ok(true), None),
         }
     }
 
@@ -1162,6 +1173,19 @@ impl Checkpointer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn ping_fails_once_the_writer_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = EmbeddedStore::open(&dir.path().join("p.redb")).unwrap();
+        store.ping().await.unwrap();
+        // A writer that died: its end of the queue is dropped. Reads of the
+        // file still work, but no claim would be answered.
+        let (ops, gone) = std_mpsc::channel();
+        drop(gone);
+        store.ops = ops;
+        assert!(matches!(store.ping().await, Err(StoreError::Unavailable(_))));
+    }
 
     #[test]
     fn log_entries_round_trip_and_stop_at_a_torn_stale_or_damaged_one() {
