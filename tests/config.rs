@@ -196,6 +196,15 @@ fn syntax_errors_name_the_file_line_and_column() {
         .unwrap_err()
         .to_string();
     assert!(unknown.contains("retries"), "{unknown}");
+    // The line is not quoted back: it may hold a secret.
+    let broken = Config::parse(
+        "[upstream]\nurl = \"http://x\"\n[server]\nadmin_token = \"s3cret\n",
+        "broken.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(broken.contains("line 4"), "{broken}");
+    assert!(!broken.contains("s3cret"), "{broken}");
 }
 
 #[test]

@@ -266,7 +266,17 @@ impl Config {
     pub fn parse(text: &str, file: &str) -> Result<Config, ConfigError> {
         let raw: raw::RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
             file: file.to_string(),
-            message: e.to_string().trim_end().to_string(),
+            // Where and why, without the line itself, which may hold a
+            // token or a password.
+            message: match e.span() {
+                Some(span) => {
+                    let before = &text[..span.start.min(text.len())];
+                    let line = before.matches('\n').count() + 1;
+                    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+                    format!("line {line}, column {column}: {}", e.message().trim_end())
+                }
+                None => e.message().trim_end().to_string(),
+            },
         })?;
         validate::validate(raw).map_err(|problems| ConfigError::Invalid {
             file: file.to_string(),
