@@ -345,13 +345,8 @@ async fn a_slow_client_does_not_use_up_the_upstreams_time() {
             let (mut socket, _) = listener.accept().await.unwrap();
             count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match socket.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
+                if !read_request_head(&mut socket).await {
+                    return;
                 }
                 let start = format!("HTTP/1.1 201 Created\r\ntransfer-encoding: chunked\r\n\r\n{BIG:x}\r\n");
                 socket.write_all(start.as_bytes()).await.unwrap();
@@ -359,7 +354,7 @@ async fn a_slow_client_does_not_use_up_the_upstreams_time() {
                 socket.write_all(b"\r\n").await.unwrap();
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 socket.write_all(b"3\r\nend\r\n0\r\n\r\n").await.unwrap();
-                let _ = socket.read(&mut buf).await;
+                let _ = socket.read(&mut [0; 64]).await;
             });
         }
     });
@@ -429,13 +424,8 @@ async fn a_cut_off_answer_to_http_1_0_ends_in_a_reset_not_a_clean_close() {
         loop {
             let (mut socket, _) = listener.accept().await.unwrap();
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match socket.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
+                if !read_request_head(&mut socket).await {
+                    return;
                 }
                 let _ = socket
                     .write_all(b"HTTP/1.1 201 Created\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
@@ -469,4 +459,18 @@ async fn a_cut_off_answer_to_http_1_0_ends_in_a_reset_not_a_clean_close() {
     assert!(!text.to_lowercase().contains("content-length"), "{text}");
     let error = ended.expect_err("a clean close after a cut-off body looks complete");
     assert_eq!(error.kind(), std::io::ErrorKind::ConnectionReset, "{error}");
+}
+
+/// Reads a request's head off `socket` (a raw upstream's); false when the
+/// connection closed first.
+async fn read_request_head(socket: &mut tokio::net::TcpStream) -> bool {
+    let mut head = Vec::new();
+    let mut buf = [0; 4096];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match socket.read(&mut buf).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    true
 }
