@@ -317,6 +317,21 @@ fn store_paths_and_urls_are_checked_before_anything_is_bound() {
 }
 
 #[test]
+fn ignored_pointers_are_kept_in_an_order_that_removes_what_they_name() {
+    // Removing /items/0 first would shift the array, and /items/1 would
+    // then remove the third element instead of the second.
+    let config = Config::parse(
+        "[upstream]\nurl = \"http://h:1\"\n[[route]]\nname = \"a\"\npath = \"/a\"\nfingerprint = { body = \"json\", ignore = [\"/items/0\", \"/items/1\", \"/ts\"] }\n",
+        "x.toml",
+    )
+    .unwrap();
+    assert_eq!(
+        config.routes[0].policy.fingerprint.ignore,
+        ["/ts", "/items/1", "/items/0"]
+    );
+}
+
+#[test]
 fn check_prints_each_route_and_exits_zero() {
     let output = idemgate(&["check", "--config", "config.example.toml"]);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));

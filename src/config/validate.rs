@@ -288,7 +288,11 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
                         ));
                     }
                 }
-                Ok(list.clone())
+                // Applied in this order, each removes what it names in the
+                // body as sent (see `sort_for_removal`).
+                let mut list = list.clone();
+                crate::proxy::canonical::sort_for_removal(&mut list);
+                Ok(list)
             },
         ),
     };

@@ -71,7 +71,29 @@ fn write_number(n: &serde_json::Number, out: &mut Vec<u8>) {
     }
 }
 
+/// Orders `pointers` so that removing them one after another (with
+/// [`remove_pointer`]) removes what each names in the document as it came:
+/// in an array, later elements first, as removing one shifts those after
+/// it; inside an element or member, before the element or member itself.
+pub fn sort_for_removal(pointers: &mut [String]) {
+    fn tokens(pointer: &str) -> impl Iterator<Item = &str> {
+        pointer.split('/').skip(1)
+    }
+    pointers.sort_by(|a, b| {
+        let order = tokens(a)
+            .zip(tokens(b))
+            .map(|(x, y)| match (x.parse::<usize>(), y.parse::<usize>()) {
+                (Ok(x), Ok(y)) => x.cmp(&y),
+                _ => x.cmp(y),
+            })
+            .find(|o| o.is_ne())
+            .unwrap_or_else(|| tokens(a).count().cmp(&tokens(b).count()));
+        order.reverse()
+    });
+}
+
 /// Removes the member or element a JSON pointer (RFC 6901) names, if any.
+/// Several are removed in the order [`sort_for_removal`] gives them.
 pub fn remove_pointer(value: &mut Value, pointer: &str) {
     let Some((parent, last)) = pointer.rsplit_once('/') else {
         return;
@@ -126,6 +148,29 @@ mod tests {
         remove_pointer(&mut v, "/x~1y");
         remove_pointer(&mut v, "/missing/deep");
         assert_eq!(String::from_utf8(to_vec(&v)).unwrap(), r#"{"a":{"k":2},"l":[1,3]}"#);
+    }
+
+    #[test]
+    fn pointers_into_one_array_remove_what_they_name_in_the_original() {
+        let mut pointers: Vec<String> = ["/items/0", "/items/1/id", "/items/1", "/items/10", "/items/2/id", "/n"]
+            .map(String::from)
+            .to_vec();
+        sort_for_removal(&mut pointers);
+        assert_eq!(
+            pointers,
+            ["/n", "/items/10", "/items/2/id", "/items/1/id", "/items/1", "/items/0"]
+        );
+        let mut v: Value = serde_json::from_str(r#"{"items":["p","q",{"id":7,"k":1},"r"],"n":1}"#).unwrap();
+        let mut pointers = ["/items/0", "/items/1", "/items/2/id"].map(String::from).to_vec();
+        sort_for_removal(&mut pointers);
+        for pointer in &pointers {
+            remove_pointer(&mut v, pointer);
+        }
+        // p and q went, and the id of the third: not r.
+        assert_eq!(
+            String::from_utf8(to_vec(&v)).unwrap(),
+            r#"{"items":[{"k":1},"r"],"n":1}"#
+        );
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! Every refusal is a [`Problem`]; [`problem`] maps it to HTTP.
 
 mod body;
-mod canonical;
+pub(crate) mod canonical;
 mod exchange;
 mod fingerprint;
 pub mod forward;
