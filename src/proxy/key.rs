@@ -86,7 +86,8 @@ pub fn derive(fields: &[DeriveField], source: &KeySource<'_>) -> Result<String, 
             DeriveField::Body(pointer) => source
                 .json
                 .and_then(|json| json.pointer(pointer))
-                .map(|v| String::from_utf8(canonical::to_vec(v)).expect("canonical JSON is UTF-8")),
+                .map(|v| String::from_utf8(canonical::to_vec(v)).expect("canonical JSON is UTF-8"))
+                .map(Value::String),
             DeriveField::Header(name) => {
                 let values: Vec<&str> = source
                     .headers
@@ -94,24 +95,28 @@ pub fn derive(fields: &[DeriveField], source: &KeySource<'_>) -> Result<String, 
                     .iter()
                     .filter_map(|v| v.to_str().ok())
                     .collect();
-                (!values.is_empty()).then(|| values.join(","))
+                (!values.is_empty()).then(|| Value::String(values.join(",")))
             }
-            DeriveField::Path(param) => source.params.param(param).map(str::to_string),
+            DeriveField::Path(param) => source.params.param(param).map(|v| Value::String(v.to_string())),
             DeriveField::Query(name) => {
-                let values: Vec<String> = form_urlencoded::parse(source.query.unwrap_or("").as_bytes())
+                let mut values: Vec<Value> = form_urlencoded::parse(source.query.unwrap_or("").as_bytes())
                     .filter(|(k, _)| k == name)
-                    .map(|(_, v)| v.into_owned())
+                    .map(|(_, v)| Value::String(v.into_owned()))
                     .collect();
-                (!values.is_empty()).then(|| values.join(","))
+                // One value as itself; repeated ones as a list, so that
+                // `?ref=a&ref=b` is not `?ref=a,b` (header lines, which
+                // HTTP takes as one comma list, are joined).
+                match values.len() {
+                    0 => None,
+                    1 => values.pop(),
+                    _ => Some(Value::Array(values)),
+                }
             }
         };
         let value = value.ok_or_else(|| {
             Problem::KeyMissing(format!("the key is derived from `{field}`, which this request lacks"))
         })?;
-        pairs.push(Value::Array(vec![
-            Value::String(field.to_string()),
-            Value::String(value),
-        ]));
+        pairs.push(Value::Array(vec![Value::String(field.to_string()), value]));
     }
     let mut hasher = Sha256::new();
     hasher.update(b"idemgate-derived-v1\0");
@@ -158,6 +163,24 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_repeated_query_field_is_not_its_values_joined() {
+        let fields = [DeriveField::Query("ref".into())];
+        let key = |query: &'static str| {
+            let (headers, params) = (HeaderMap::new(), RouteMatch { params: Vec::new() });
+            let source = KeySource {
+                route: "r",
+                headers: &headers,
+                query: Some(query),
+                params: &params,
+                json: None,
+            };
+            derive(&fields, &source).unwrap()
+        };
+        assert_ne!(key("ref=a&ref=b"), key("ref=a,b"));
+        assert_eq!(key("ref=a&x=1"), key("x=2&ref=a"));
+    }
 
     #[test]
     fn tokens_and_sf_strings_give_the_inner_text() {
