@@ -89,11 +89,13 @@ pub fn derive(fields: &[DeriveField], source: &KeySource<'_>) -> Result<String, 
                 .map(|v| String::from_utf8(canonical::to_vec(v)).expect("canonical JSON is UTF-8"))
                 .map(Value::String),
             DeriveField::Header(name) => {
+                // UTF-8, not only visible ASCII: `x-tenant: Müller` is a
+                // value, not an absent field.
                 let values: Vec<&str> = source
                     .headers
                     .get_all(name)
                     .iter()
-                    .filter_map(|v| v.to_str().ok())
+                    .filter_map(|v| std::str::from_utf8(v.as_bytes()).ok())
                     .collect();
                 (!values.is_empty()).then(|| Value::String(values.join(",")))
             }
@@ -180,6 +182,26 @@ mod tests {
         };
         assert_ne!(key("ref=a&ref=b"), key("ref=a,b"));
         assert_eq!(key("ref=a&x=1"), key("x=2&ref=a"));
+    }
+
+    #[test]
+    fn a_header_field_may_be_any_utf_8() {
+        let fields = [DeriveField::Header(http::HeaderName::from_static("x-tenant"))];
+        let key = |value: &'static str| {
+            let mut headers = HeaderMap::new();
+            headers.insert("x-tenant", http::HeaderValue::from_bytes(value.as_bytes()).unwrap());
+            let params = RouteMatch { params: Vec::new() };
+            let source = KeySource {
+                route: "r",
+                headers: &headers,
+                query: None,
+                params: &params,
+                json: None,
+            };
+            derive(&fields, &source)
+        };
+        let muller = key("Müller").expect("a UTF-8 value is a value");
+        assert_ne!(muller, key("Muller").unwrap());
     }
 
     #[test]
