@@ -91,7 +91,7 @@ impl std::fmt::Debug for StoreBackend {
 }
 
 /// `url` with the password of its user part, if any, shown as `***`.
-pub fn masked(url: &str) -> String {
+fn masked(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };

@@ -86,7 +86,6 @@ pub struct Gateway {
     upstream: Uri,
     passthrough: Arc<RouteCounters>,
     context: Arc<Context>,
-    exchanges: TaskTracker,
 }
 
 /// Where a request goes: through a route's idempotency, or straight on.
@@ -139,10 +138,9 @@ impl Gateway {
                 client: upstream::client(&config.upstream)?,
                 store,
                 metrics,
-                exchanges: exchanges.clone(),
+                exchanges,
             }),
             config,
-            exchanges,
         })
     }
 
@@ -392,7 +390,7 @@ impl Gateway {
             }
         }
         exchange::run(
-            &self.exchanges,
+            &self.context.exchanges,
             Exchange {
                 context: self.context.clone(),
                 live: live.clone(),

@@ -170,6 +170,16 @@ impl Deadlines {
         queue.push_back((deadline.0, deadline.1, *key));
         deadline
     }
+
+    /// The TTL queue whose front record was completed (or refreshed)
+    /// longest ago: the next to evict.
+    fn oldest_ttl(&mut self) -> Option<&mut DeadlineQueue> {
+        self.ttls
+            .iter_mut()
+            .map(|(_, queue)| queue)
+            .filter(|queue| !queue.is_empty())
+            .min_by_key(|queue| queue.front().map_or(u64::MAX, |&(_, seq, _)| seq))
+    }
 }
 
 /// The entry under `key` in `entries`, unless its deadline has passed
@@ -190,6 +200,13 @@ fn live<'a>(
         }
         Slot::Vacant(_) => None,
     }
+}
+
+/// Whether a queued deadline, `seq`, is still the one of the entry under
+/// `key` (an entry whose deadline changed, or that left, leaves its old
+/// items behind).
+fn current(entries: &KeyMap<RecordKey, Entry>, key: &RecordKey, seq: u64) -> bool {
+    entries.get(key).is_some_and(|e| e.deadline.1 == seq)
 }
 
 /// What an entry leaving the map undoes: its waiters are woken, its bytes
@@ -213,11 +230,6 @@ impl Shard {
         Some(entry)
     }
 
-    /// Whether a queued deadline is still the entry's own.
-    fn is_current(&self, key: &RecordKey, seq: u64) -> bool {
-        self.entries.get(key).is_some_and(|e| e.deadline.1 == seq)
-    }
-
     /// Removes up to `limit` entries whose deadline has passed; returns how
     /// many queue items it looked at.
     fn sweep(&mut self, now: Instant, limit: usize) -> usize {
@@ -237,7 +249,7 @@ impl Shard {
         leases.retain(|(_, queue)| !queue.is_empty());
         ttls.retain(|(_, queue)| !queue.is_empty());
         for (seq, key) in due {
-            if self.is_current(&key, seq) {
+            if current(&self.entries, &key, seq) {
                 self.remove(&key);
             }
         }
@@ -256,7 +268,7 @@ impl Shard {
         let Deadlines { leases, ttls, .. } = &mut self.deadlines;
         for (_, queue) in leases.iter_mut().chain(ttls.iter_mut()) {
             if queue.len() > bound {
-                queue.retain(|(_, seq, key)| entries.get(key).is_some_and(|e| e.deadline.1 == *seq));
+                queue.retain(|(_, seq, key)| current(entries, key, *seq));
             }
         }
     }
@@ -266,17 +278,6 @@ impl Shard {
         self.entries
             .get(key)
             .is_some_and(|e| e.deadline.1 == seq && matches!(e.state, State::Done { .. }))
-    }
-
-    /// The TTL queue whose front record was completed (or refreshed)
-    /// longest ago: the next to evict.
-    fn oldest_ttl(&mut self) -> Option<&mut DeadlineQueue> {
-        self.deadlines
-            .ttls
-            .iter_mut()
-            .map(|(_, queue)| queue)
-            .filter(|queue| !queue.is_empty())
-            .min_by_key(|queue| queue.front().map_or(u64::MAX, |&(_, seq, _)| seq))
     }
 
     /// The in-flight entry of `key` if `owner` holds it, with the deadline
@@ -298,14 +299,15 @@ impl Shard {
             let mut batch = [(0, RecordKey([0; 32])); EVICT_BATCH];
             let mut taken = 0;
             while taken < EVICT_BATCH
-                && let Some(&(_, seq, key)) = self.oldest_ttl().and_then(|queue| queue.front())
+                && let Some(queue) = self.deadlines.oldest_ttl()
+                && let Some(&(_, seq, key)) = queue.front()
             {
                 // The record just written stays; an older item of its key
                 // (from before a purge or expiry) is only stale.
-                if key == *newest && self.is_current(&key, seq) {
+                if key == *newest && current(&self.entries, &key, seq) {
                     break;
                 }
-                self.oldest_ttl().expect("its front was just read").pop_front();
+                queue.pop_front();
                 if key != *newest {
                     batch[taken] = (seq, key);
                     taken += 1;
