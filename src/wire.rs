@@ -5,7 +5,7 @@
 //! names.
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http_body::Frame;
 use smallvec::SmallVec;
 
@@ -171,15 +171,52 @@ pub enum BadHeader {
     Value,
 }
 
+/// Hop-by-hop headers (RFC 9110 §7.6.1) plus their common non-standard kin.
+pub static HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Whether `name` is one of [`HOP_BY_HOP`]: most names are told apart by
+/// their length alone.
+pub fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(name.as_str().len(), 2 | 7 | 10 | 16..=19) && HOP_BY_HOP.contains(name)
+}
+
+/// Which headers of a head [`append_headers`] leaves out of the map.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Keep {
+    All,
+    /// All but the hop-by-hop ones, except `Transfer-Encoding`, which the
+    /// framing reads (and the caller then drops). A header that
+    /// `Connection` names is still appended: see [`Noted::connection_names`].
+    EndToEnd,
+}
+
 /// Appends the headers at `offsets` in `head` to `headers`, names interned
 /// and values cut from `head`, and returns the notes its framing reads.
-pub fn append_headers(head: &Bytes, offsets: &HeaderOffsets, headers: &mut HeaderMap) -> Result<Noted, BadHeader> {
+pub fn append_headers(
+    head: &Bytes,
+    offsets: &HeaderOffsets,
+    headers: &mut HeaderMap,
+    keep: Keep,
+) -> Result<Noted, BadHeader> {
     let mut noted = Noted::default();
     for &(name_start, name_end, start, end) in offsets {
         let name = names::intern(&head[name_start as usize..name_end as usize]).map_err(|_| BadHeader::Name)?;
         let value =
             HeaderValue::from_maybe_shared(head.slice(start as usize..end as usize)).map_err(|_| BadHeader::Value)?;
         noted.note(&name, &value);
+        if keep == Keep::EndToEnd && name != header::TRANSFER_ENCODING && is_hop_by_hop(&name) {
+            continue;
+        }
         headers.append(name, value);
     }
     Ok(noted)
@@ -203,6 +240,8 @@ pub struct Noted {
     pub close: bool,
     /// A `keep-alive` token in `Connection`.
     pub keep_alive: bool,
+    /// Another token in `Connection`: a header to drop at this hop.
+    pub connection_names: bool,
 }
 
 impl Noted {
@@ -217,11 +256,13 @@ impl Noted {
     }
 
     pub fn note(&mut self, name: &HeaderName, value: &HeaderValue) {
-        use http::header;
         if name == header::CONNECTION {
             for token in value_tokens(value) {
-                self.close |= token.eq_ignore_ascii_case("close");
-                self.keep_alive |= token.eq_ignore_ascii_case("keep-alive");
+                let close = token.eq_ignore_ascii_case("close");
+                let keep_alive = token.eq_ignore_ascii_case("keep-alive");
+                self.close |= close;
+                self.keep_alive |= keep_alive;
+                self.connection_names |= !(close || keep_alive);
             }
         } else if name == header::CONTENT_LENGTH {
             self.content_lengths += 1;
@@ -411,6 +452,23 @@ pub mod names {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hop_by_hop_names_pass_the_length_filter() {
+        for name in &HOP_BY_HOP {
+            assert!(is_hop_by_hop(name), "{name}");
+        }
+        for name in [
+            "date",
+            "server",
+            "content-type",
+            "content-length",
+            "x-te",
+            "connectionx",
+        ] {
+            assert!(!is_hop_by_hop(&HeaderName::from_static(name)), "{name}");
+        }
+    }
 
     #[test]
     fn numbers_render() {

@@ -39,6 +39,14 @@ fn script(path: &str) -> (&'static [u8], bool) {
         "/then-close" => (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nthen-close", true),
         "/said-close" => (b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 10\r\n\r\nsaid-close", false),
         "/garbage" => (b"HTTP/9 what\r\n\r\n", true),
+        // Hop-by-hop headers in every spelling and place: a header named
+        // by a later `Connection` line, and options beside names.
+        "/hop" | "/hop-recorded" => (
+            b"HTTP/1.1 200 OK\r\nX-Named: 1\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\n\
+              connection: X-Named , x-other\r\nx-other: 2\r\nUpgrade: h2c\r\nTrailer: x-sum\r\n\
+              Proxy-Connection: keep-alive\r\nTE: trailers\r\nx-kept: yes\r\ncontent-length: 3\r\n\r\nhop",
+            false,
+        ),
         _ => (b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n", false),
     }
 }
@@ -189,6 +197,47 @@ path = "/chunked"
     );
     let bodies = upstream.bodies.lock().unwrap().clone();
     assert_eq!(bodies, vec![br#"{"a":1}"#.to_vec(), big.into_bytes()]);
+}
+
+/// The answer the client gets, and the one replayed, carry none of the
+/// upstream's hop-by-hop headers, nor any header its `Connection` names.
+#[tokio::test]
+async fn hop_by_hop_headers_of_an_answer_stay_at_the_hop() {
+    let upstream = raw_upstream().await;
+    let proxy = Proxy::start(
+        &upstream.url,
+        r#"
+[[route]]
+name = "hop"
+path = "/hop-recorded"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    let answers = [
+        client.send("GET", &proxy.url("/hop"), &[], "").await,
+        client.post(&proxy.url("/hop-recorded"), "k1", "{}").await,
+        client.post(&proxy.url("/hop-recorded"), "k1", "{}").await,
+    ];
+    assert!(answers[2].replayed());
+    for answer in answers {
+        assert_eq!(answer.text(), "hop");
+        assert_eq!(answer.header("x-kept"), Some("yes"));
+        for gone in [
+            "x-named",
+            "x-other",
+            "connection",
+            "keep-alive",
+            "upgrade",
+            "trailer",
+            "proxy-connection",
+            "te",
+        ] {
+            assert_eq!(answer.header(gone), None, "{gone} reached the client");
+        }
+    }
+    // And the connection stayed open: `keep-alive` is an option, not a name.
+    assert_eq!(upstream.connections.load(Ordering::SeqCst), 1);
 }
 
 /// A pass-through body of unknown length goes upstream chunked.

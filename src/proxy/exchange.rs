@@ -26,7 +26,6 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use super::body::{BodySender, ClientBody, ResponseBody};
-use super::forward::strip_hop_by_hop;
 use super::problem::Problem;
 use super::{Context, LiveRoute};
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
@@ -424,8 +423,7 @@ impl Exchange {
             }
         };
 
-        let (mut head, mut body) = response.into_parts();
-        strip_hop_by_hop(&mut head.headers);
+        let (head, mut body) = response.into_parts();
         let keep = !(head.status.is_server_error() && policy.on_server_error == OnServerError::Release);
         let limit = usize::try_from(policy.max_response_body).unwrap_or(usize::MAX);
         let status = head.status;

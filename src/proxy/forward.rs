@@ -1,6 +1,6 @@
 //! The request as it goes upstream (hop-by-hop headers dropped,
-//! `X-Forwarded-*` set) and the cleaned response head; the client itself
-//! is in the `upstream` module.
+//! `X-Forwarded-*` set); the client itself, which drops the response's
+//! hop-by-hop headers as it reads them, is in the `upstream` module.
 
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
@@ -8,24 +8,14 @@ use std::net::{IpAddr, SocketAddr};
 use http::header::{self, Entry, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 use http::{Request, Version};
+use smallvec::SmallVec;
 
 use super::body::ClientBody;
+use crate::wire::{HOP_BY_HOP, is_hop_by_hop};
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-
-/// Hop-by-hop headers (RFC 9110 §7.6.1) plus their common non-standard kin.
-const HOP_BY_HOP: [HeaderName; 8] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-];
 
 /// Removes hop-by-hop headers, including every header `Connection` names.
 ///
@@ -37,24 +27,29 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for name in headers.keys() {
         if name == header::CONNECTION {
             connection = true;
-        } else if HOP_BY_HOP.contains(name) || name == header::TRAILER {
+        } else if is_hop_by_hop(name) {
             others = true;
         }
     }
     if connection && let Entry::Occupied(entry) = headers.entry(header::CONNECTION) {
-        // Its values as they are removed: one lookup. `keep-alive` is
-        // hop-by-hop anyway: removed below when present.
-        let mut named = Vec::new();
-        for value in entry.remove_entry_mult().1 {
-            let tokens = crate::wire::value_tokens(&value).filter(|t| !t.eq_ignore_ascii_case("keep-alive"));
-            named.extend(tokens.filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok()));
-        }
-        for name in &named {
+        // Its values as they are removed: one lookup.
+        let values = entry.remove_entry_mult().1.collect::<SmallVec<[HeaderValue; 2]>>();
+        drop_named(headers, values.iter().map(HeaderValue::as_bytes));
+    }
+    if others {
+        for name in &HOP_BY_HOP[1..] {
             headers.remove(name);
         }
     }
-    if others {
-        for name in HOP_BY_HOP[1..].iter().chain([&header::TRAILER]) {
+}
+
+/// Removes the headers that `Connection` `values` name (`close` and
+/// `keep-alive` are options, not names).
+pub fn drop_named<'a>(headers: &mut HeaderMap, values: impl Iterator<Item = &'a [u8]>) {
+    for value in values {
+        let tokens = value.split(|&b| b == b',').map(<[u8]>::trim_ascii);
+        let names = tokens.filter(|t| !t.eq_ignore_ascii_case(b"close") && !t.eq_ignore_ascii_case(b"keep-alive"));
+        for name in names.filter_map(|t| HeaderName::from_bytes(t).ok()) {
             headers.remove(name);
         }
     }

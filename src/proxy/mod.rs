@@ -470,8 +470,7 @@ impl Gateway {
         self.context.metrics.upstream_latency.observe(started.elapsed());
         match sent {
             Ok(Ok(response)) => {
-                let (mut head, body) = response.into_parts();
-                forward::strip_hop_by_hop(&mut head.headers);
+                let (head, body) = response.into_parts();
                 let deadline = Box::pin(tokio::time::sleep_until(deadline));
                 Response::from_parts(
                     head,

@@ -35,6 +35,7 @@ use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
 
 use super::body::{BoxError, ClientBody};
+use super::forward;
 use crate::clock::coarse_now;
 use crate::config::UpstreamConfig;
 use crate::server::tls::{self, TlsError};
@@ -261,8 +262,8 @@ impl Conn {
 }
 
 impl UpstreamClient {
-    /// Sends `request` (its URI absolute) and returns the response head;
-    /// the body is read as it is polled.
+    /// Sends `request` (its URI absolute) and returns the response head,
+    /// without its hop-by-hop headers; the body is read as it is polled.
     pub async fn request(&self, request: Request<ClientBody>) -> Result<Response<UpstreamResponseBody>, UpstreamError> {
         let (parts, body) = request.into_parts();
         let key = PoolKey {
@@ -468,17 +469,30 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                     *response.version_mut() = if minor == 1 { Version::HTTP_11 } else { Version::HTTP_10 };
                     let headers = response.headers_mut();
                     headers.reserve(offsets.len());
-                    let noted = wire::append_headers(&head, &offsets, headers).map_err(|error| {
-                        UpstreamError::Protocol(match error {
-                            wire::BadHeader::Name => "a header name is not valid",
-                            wire::BadHeader::Value => "a header value is not valid",
-                        })
-                    })?;
+                    // The hop-by-hop headers stay out of the map (the usual
+                    // `Connection: keep-alive` is never inserted to be
+                    // removed), but for Transfer-Encoding, read for framing.
+                    let noted =
+                        wire::append_headers(&head, &offsets, headers, wire::Keep::EndToEnd).map_err(|error| {
+                            UpstreamError::Protocol(match error {
+                                wire::BadHeader::Name => "a header name is not valid",
+                                wire::BadHeader::Value => "a header value is not valid",
+                            })
+                        })?;
                     let (framing, keep_alive) = framing(&response, &noted, head_only, minor)?;
+                    let headers = response.headers_mut();
                     if noted.transfer_encoding {
                         // RFC 9112 §6.3: Transfer-Encoding overrides it, and
                         // passed on it would misframe the answer downstream.
-                        response.headers_mut().remove(header::CONTENT_LENGTH);
+                        headers.remove(header::CONTENT_LENGTH);
+                        headers.remove(header::TRANSFER_ENCODING);
+                    }
+                    if noted.connection_names {
+                        let connection = offsets.iter().filter(|&&(name_start, name_end, ..)| {
+                            head[name_start as usize..name_end as usize].eq_ignore_ascii_case(b"connection")
+                        });
+                        let values = connection.map(|&(.., start, end)| &head[start as usize..end as usize]);
+                        forward::drop_named(headers, values);
                     }
                     return Ok((response, framing, keep_alive));
                 }

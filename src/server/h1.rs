@@ -751,7 +751,7 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
     // Room for the X-Forwarded-* headers the upstream request adds, so the
     // map is not regrown on the way.
     let mut headers = HeaderMap::with_capacity(offsets.len() + 4);
-    let noted = wire::append_headers(&head, &offsets, &mut headers).map_err(|error| match error {
+    let noted = wire::append_headers(&head, &offsets, &mut headers, wire::Keep::All).map_err(|error| match error {
         wire::BadHeader::Name => bad("a header name is not valid"),
         wire::BadHeader::Value => bad("a header value is not valid"),
     })?;
