@@ -90,13 +90,16 @@ pub fn derive(fields: &[DeriveField], source: &KeySource<'_>) -> Result<String, 
                 .map(Value::String),
             DeriveField::Header(name) => {
                 // UTF-8, not only visible ASCII: `x-tenant: Müller` is a
-                // value, not an absent field.
-                let values: Vec<&str> = source
-                    .headers
-                    .get_all(name)
-                    .iter()
-                    .filter_map(|v| std::str::from_utf8(v.as_bytes()).ok())
-                    .collect();
+                // value, not an absent field. Other bytes are refused:
+                // left out, two requests that differ only in them would
+                // share a key.
+                let values = source.headers.get_all(name).iter();
+                let values = values.map(|v| std::str::from_utf8(v.as_bytes()));
+                let values: Vec<&str> = values.collect::<Result<_, _>>().map_err(|_| {
+                    Problem::KeyInvalid(format!(
+                        "the key is derived from `{field}`, whose value is not UTF-8 text"
+                    ))
+                })?;
                 (!values.is_empty()).then(|| Value::String(values.join(",")))
             }
             DeriveField::Path(param) => source.params.param(param).map(|v| Value::String(v.to_string())),
@@ -197,6 +200,11 @@ mod tests {
         };
         let muller = key("Müller").expect("a UTF-8 value is a value");
         assert_ne!(muller, key("Muller").unwrap());
+        // Latin-1, not UTF-8: refused rather than left out.
+        let mut headers = HeaderMap::new();
+        headers.append("x-tenant", http::HeaderValue::from_static("acme"));
+        headers.append("x-tenant", http::HeaderValue::from_bytes(b"M\xfcller").unwrap());
+        assert!(matches!(derived(&fields, &headers, None), Err(Problem::KeyInvalid(_))));
     }
 
     #[test]
