@@ -6,8 +6,9 @@
 //!
 //! Differences from RFC 8785, both harmless for hashing: members are sorted
 //! by UTF-8 bytes rather than UTF-16 code units, and numbers are written by
-//! Rust's shortest round-trip formatting (integral values below 2^53 as
-//! integers, so `1`, `1.0` and `1e0` are one number).
+//! Rust's shortest round-trip formatting (integral values from -2^63 to
+//! 2^64 as integers, so `1`, `1.0` and `1e0` are one number, and so are
+//! `1e16` and `10000000000000000`).
 
 use serde_json::Value;
 
@@ -62,9 +63,17 @@ fn write_number(n: &serde_json::Number, out: &mut Vec<u8>) {
     } else if let Some(u) = n.as_u64() {
         out.extend_from_slice(u.to_string().as_bytes());
     } else if let Some(f) = n.as_f64() {
-        const EXACT: f64 = (1u64 << 53) as f64;
-        if f.fract() == 0.0 && f.abs() < EXACT {
+        // An integral value within the integers' range is written as the
+        // integer it is, whichever form it came in: `1e16` is
+        // `10000000000000000`, as that literal is. (Both bounds are powers
+        // of two, exact in an f64, and so is every value between them
+        // that has no fraction: the casts are exact.)
+        const LOW: f64 = i64::MIN as f64;
+        const HIGH: f64 = 18_446_744_073_709_551_616.0; // 2^64
+        if f.fract() == 0.0 && (LOW..0.0).contains(&f) {
             out.extend_from_slice((f as i64).to_string().as_bytes());
+        } else if f.fract() == 0.0 && (0.0..HIGH).contains(&f) {
+            out.extend_from_slice((f as u64).to_string().as_bytes());
         } else {
             out.extend_from_slice(format!("{f:e}").as_bytes());
         }
@@ -133,6 +142,17 @@ mod tests {
     #[test]
     fn numbers_have_one_form() {
         assert_eq!(canon("[1, 1.0, 1e0, -0.0, 2.5, 1e300]"), "[1,1,1,0,2.5e0,1e300]");
+        // Past 2^53, an integral float and the integer literal of its
+        // value are one number too, up to the integers' range.
+        assert_eq!(
+            canon("[1e16, 10000000000000000, -1e16, -10000000000000000, 1.8e19, 18000000000000000000]"),
+            "[10000000000000000,10000000000000000,-10000000000000000,-10000000000000000,\
+             18000000000000000000,18000000000000000000]"
+        );
+        assert_eq!(
+            canon("[-9.223372036854775808e18, 1e20, 100000000000000000000]"),
+            "[-9223372036854775808,1e20,1e20]"
+        );
     }
 
     #[test]
