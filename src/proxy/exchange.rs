@@ -29,7 +29,7 @@ use super::body::{BodySender, ClientBody, ResponseBody};
 use super::problem::Problem;
 use super::{Context, LiveRoute};
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
-use crate::store::{Fingerprint, Outcome, Owner, RecordKey, StoreHandle, StoredResponse};
+use crate::store::{Fingerprint, Outcome, Owner, Record, RecordKey, StoreHandle, StoredResponse};
 use crate::telemetry::{self, Outcome as TelemetryOutcome, error_chain};
 use tracing::Instrument;
 
@@ -172,7 +172,9 @@ impl ClaimGuard {
         self.context.metrics.store_latency.observe(started.elapsed());
         match result {
             Ok(true) => {}
-            Ok(false) => tracing::warn!(key = %self.key.tag(), "lease lost: the record was not completed"),
+            Ok(false) => {
+                lost(&self.context.store, &self.key, &self.fingerprint, &outcome).await;
+            }
             // Releasing could let a retry run the request twice, and so could
             // letting the lease run out: keep the claim and keep trying.
             Err(error) => {
@@ -231,18 +233,40 @@ async fn retry_completion(
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(longest);
         if let Ok(false) = store.renew(&key, owner, lease).await {
-            tracing::warn!(key = %key.tag(), "lease lost while retrying the completion");
+            lost(&store, &key, &fingerprint, &outcome).await;
             return;
         }
         match store.complete(&key, &fingerprint, owner, outcome.clone(), ttl).await {
             Ok(true) => return tracing::info!(key = %key.tag(), "record completed on a retry"),
-            Ok(false) => return tracing::warn!(key = %key.tag(), "lease lost while retrying the completion"),
+            Ok(false) => {
+                lost(&store, &key, &fingerprint, &outcome).await;
+                return;
+            }
             Err(error) if Instant::now() >= give_up => {
                 return tracing::error!(key = %key.tag(), %error, "gave up completing the record");
             }
             Err(_) => {}
         }
     }
+}
+
+/// Logs why a completion found no claim of ours, and returns whether the
+/// record holds this answer anyway. Usually the lease ran out; but a
+/// completion that reached the store and was then sent again (its answer
+/// lost with a dropped connection, as a Redis Cluster client resends)
+/// finds the record it completed itself, which is no loss.
+async fn lost(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, outcome: &Outcome) -> bool {
+    let landed = matches!(
+        store.inspect(key).await,
+        Ok(Some((Record::Completed { fingerprint: found, outcome: kept }, _)))
+            if found == *fingerprint && kept == *outcome
+    );
+    if landed {
+        tracing::debug!(key = %key.tag(), "the record was already completed with this answer");
+    } else {
+        tracing::warn!(key = %key.tag(), "lease lost: the record was not completed");
+    }
+    landed
 }
 
 /// Collects the response for the record, up to `max_response_body` bytes.
@@ -629,5 +653,44 @@ async fn fail(guard: ClaimGuard, policy: &Policy, failure: Failure) -> Problem {
 fn abort(client: Option<BodySender>, why: &'static str) {
     if let Some(tx) = client {
         tx.abort(why);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+
+    #[tokio::test]
+    async fn a_completion_found_already_made_is_told_from_a_lost_lease() {
+        let store = StoreHandle::memory(MemoryStore::new(1 << 20), Duration::from_secs(1));
+        let (key, fingerprint, owner) = (RecordKey([1; 32]), Fingerprint([2; 32]), Owner(7));
+        let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+        let answer = |body: &'static str| {
+            let body = Bytes::from_static(body.as_bytes());
+            Outcome::Response(Arc::new(StoredResponse::new(StatusCode::CREATED, &[], &[body])))
+        };
+        assert!(!lost(&store, &key, &fingerprint, &answer("a")).await, "no record");
+        store.claim(&key, &fingerprint, owner, lease, None).await.unwrap();
+        assert!(!lost(&store, &key, &fingerprint, &answer("a")).await, "in flight");
+        assert!(
+            store
+                .complete(&key, &fingerprint, owner, answer("a"), ttl)
+                .await
+                .unwrap()
+        );
+        // Sent again, as a resent command is: the claim is no longer there.
+        assert!(
+            !store
+                .complete(&key, &fingerprint, owner, answer("a"), ttl)
+                .await
+                .unwrap()
+        );
+        assert!(lost(&store, &key, &fingerprint, &answer("a")).await);
+        assert!(!lost(&store, &key, &fingerprint, &answer("b")).await, "another answer");
+        assert!(
+            !lost(&store, &key, &Fingerprint([3; 32]), &answer("a")).await,
+            "another request"
+        );
     }
 }
