@@ -861,6 +861,11 @@ impl Writer {
                 .wait(overlay)
                 .unwrap_or_else(|p| p.into_inner());
         }
+        // The new segment is made (a rename or a zero-fill, and a sync)
+        // with the overlay let go: lookups read it meanwhile. Nothing it
+        // holds changes until this thread, its only writer, takes it again,
+        // and only this thread fills `frozen`, which is empty.
+        drop(overlay);
         let next = match Wal::create(&self.wal.path, self.wal.segment + 1) {
             Ok(wal) => wal,
             Err(error) => {
@@ -870,6 +875,7 @@ impl Writer {
         };
         let covered_below = next.segment;
         self.wal = next;
+        let mut overlay = lock(&self.shared.overlay);
         overlay.frozen = Arc::new(std::mem::take(&mut overlay.active));
         overlay.active_bytes = 0;
         let frozen = overlay.frozen.clone();
