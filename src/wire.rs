@@ -130,7 +130,7 @@ pub fn tokens(headers: &HeaderMap, name: HeaderName) -> impl DoubleEndedIterator
 
 /// The comma-separated tokens of one field value, trimmed, empty ones
 /// skipped; a value that is not text has none.
-pub fn value_tokens(value: &HeaderValue) -> impl DoubleEndedIterator<Item = &str> {
+fn value_tokens(value: &HeaderValue) -> impl DoubleEndedIterator<Item = &str> {
     value
         .to_str()
         .unwrap_or("")
@@ -169,6 +169,16 @@ pub fn header_offsets(buf: &[u8], parsed: &[httparse::Header<'_>]) -> HeaderOffs
 pub enum BadHeader {
     Name,
     Value,
+}
+
+/// The comma-separated tokens of a field value, as bytes, trimmed, empty
+/// ones skipped: a token beside bytes that are not text (obs-text) is
+/// still read, so `Connection: x-secret, \xe9` still names `x-secret`.
+pub fn byte_tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+    value
+        .split(|&b| b == b',')
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty())
 }
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) plus their common non-standard kin.
@@ -257,9 +267,9 @@ impl Noted {
 
     pub fn note(&mut self, name: &HeaderName, value: &HeaderValue) {
         if name == header::CONNECTION {
-            for token in value_tokens(value) {
-                let close = token.eq_ignore_ascii_case("close");
-                let keep_alive = token.eq_ignore_ascii_case("keep-alive");
+            for token in byte_tokens(value.as_bytes()) {
+                let close = token.eq_ignore_ascii_case(b"close");
+                let keep_alive = token.eq_ignore_ascii_case(b"keep-alive");
                 self.close |= close;
                 self.keep_alive |= keep_alive;
                 self.connection_names |= !(close || keep_alive);

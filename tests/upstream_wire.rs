@@ -47,6 +47,15 @@ fn script(path: &str) -> (&'static [u8], bool) {
               Proxy-Connection: keep-alive\r\nTE: trailers\r\nx-kept: yes\r\ncontent-length: 3\r\n\r\nhop",
             false,
         ),
+        // A token beside obs-text is still a token: a name, or `close`.
+        "/hop-obs" => (
+            b"HTTP/1.1 200 OK\r\nConnection: X-Internal, \xe9\r\nX-Internal: secret\r\ncontent-length: 3\r\n\r\nobs",
+            false,
+        ),
+        "/close-obs" => (
+            b"HTTP/1.1 200 OK\r\nConnection: close, \xe9\r\ncontent-length: 9\r\n\r\nclose-obs",
+            false,
+        ),
         _ => (b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n", false),
     }
 }
@@ -236,8 +245,28 @@ path = "/hop-recorded"
             assert_eq!(answer.header(gone), None, "{gone} reached the client");
         }
     }
-    // And the connection stayed open: `keep-alive` is an option, not a name.
+    // The connection was kept for the next request: the Connection lines,
+    // left out of the map, still decided that.
     assert_eq!(upstream.connections.load(Ordering::SeqCst), 1);
+
+    let obs = client.send("GET", &proxy.url("/hop-obs"), &[], "").await;
+    assert_eq!(obs.text(), "obs");
+    assert_eq!(
+        obs.header("x-internal"),
+        None,
+        "a name beside obs-text reached the client"
+    );
+    assert_eq!(upstream.connections.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        client.send("GET", &proxy.url("/close-obs"), &[], "").await.text(),
+        "close-obs"
+    );
+    assert_eq!(client.send("GET", &proxy.url("/hop"), &[], "").await.text(), "hop");
+    assert_eq!(
+        upstream.connections.load(Ordering::SeqCst),
+        2,
+        "`close` beside obs-text is honoured"
+    );
 }
 
 /// A pass-through body of unknown length goes upstream chunked.

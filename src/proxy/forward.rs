@@ -47,7 +47,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// `keep-alive` are options, not names).
 pub fn drop_named<'a>(headers: &mut HeaderMap, values: impl Iterator<Item = &'a [u8]>) {
     for value in values {
-        let tokens = value.split(|&b| b == b',').map(<[u8]>::trim_ascii);
+        let tokens = crate::wire::byte_tokens(value);
         let names = tokens.filter(|t| !t.eq_ignore_ascii_case(b"close") && !t.eq_ignore_ascii_case(b"keep-alive"));
         for name in names.filter_map(|t| HeaderName::from_bytes(t).ok()) {
             headers.remove(name);
