@@ -173,7 +173,11 @@ impl ClaimGuard {
         match result {
             Ok(true) => {}
             Ok(false) => {
-                lost(&self.context.store, &self.key, &self.fingerprint, &outcome).await;
+                // Looked into off the client's way: the store is asked again.
+                let (store, key, fingerprint) = (self.context.store.clone(), self.key, self.fingerprint);
+                self.context.exchanges.spawn(async move {
+                    lost(&store, &key, &fingerprint, &outcome).await;
+                });
             }
             // Releasing could let a retry run the request twice, and so could
             // letting the lease run out: keep the claim and keep trying.
@@ -251,10 +255,12 @@ async fn retry_completion(
 }
 
 /// Logs why a completion found no claim of ours, and returns whether the
-/// record holds this answer anyway. Usually the lease ran out; but a
-/// completion that reached the store and was then sent again (its answer
-/// lost with a dropped connection, as a Redis Cluster client resends)
-/// finds the record it completed itself, which is no loss.
+/// record holds this answer anyway. Usually the lease ran out and another
+/// request took the key; but a completion that reached the store and was
+/// then sent again (its answer lost with a dropped connection, as a Redis
+/// Cluster client resends) finds the record it completed itself. A record
+/// keeps no owner, so a retry's identical answer looks the same: both
+/// cases stay warnings, each named for what the store holds.
 async fn lost(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, outcome: &Outcome) -> bool {
     let landed = matches!(
         store.inspect(key).await,
@@ -262,7 +268,11 @@ async fn lost(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, o
             if found == *fingerprint && kept == *outcome
     );
     if landed {
-        tracing::debug!(key = %key.tag(), "the record was already completed with this answer");
+        tracing::warn!(
+            key = %key.tag(),
+            "the claim was gone, but the record holds this answer: a completion resent after it landed, \
+             or a retry's identical one"
+        );
     } else {
         tracing::warn!(key = %key.tag(), "lease lost: the record was not completed");
     }
