@@ -6,9 +6,10 @@
 //!
 //! Differences from RFC 8785, both harmless for hashing: members are sorted
 //! by UTF-8 bytes rather than UTF-16 code units, and numbers are written by
-//! Rust's shortest round-trip formatting (integral values from -2^63 to
+//! Rust's shortest round-trip formatting (integral values from -2^63 up to
 //! 2^64 as integers, so `1`, `1.0` and `1e0` are one number, and so are
-//! `1e16` and `10000000000000000`).
+//! `1e16` and `10000000000000000`; an integer literal stays exact, so
+//! one past 2^53 that an f64 cannot hold is not the float it rounds to).
 
 use serde_json::Value;
 
