@@ -455,7 +455,11 @@ impl RedisStore {
         keys: &[&[u8]],
         args: &[&[u8]],
     ) -> Result<T, StoreError> {
-        let mut command = redis::Cmd::with_capacity(3 + keys.len() + args.len(), 128);
+        // Sized for all of it: built up from nothing, the command's buffers
+        // would be regrown (copied) several times over.
+        let data =
+            "EVALSHA".len() + script.get_hash().len() + 20 + keys.iter().chain(args).map(|a| a.len()).sum::<usize>();
+        let mut command = redis::Cmd::with_capacity(3 + keys.len() + args.len(), data);
         command.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
         for arg in keys.iter().chain(args) {
             command.arg(*arg);
@@ -474,9 +478,13 @@ impl RedisStore {
     /// script to run. Servers before Redis 7 refuse NX with GET; then the
     /// claim script is used from there on.
     async fn claim_natively(&self, key: &RecordKey, claim: &[u8], lease: u64) -> Result<Option<Vec<u8>>, StoreError> {
-        let mut command = redis::cmd("SET");
+        let redis_key = RedisKey::of(key);
+        // Sized for all of it, as in `eval_on`.
+        let data = "SET".len() + redis_key.as_bytes().len() + claim.len() + "NXPXGET".len() + 20;
+        let mut command = redis::Cmd::with_capacity(7, data);
         command
-            .arg(RedisKey::of(key).as_bytes())
+            .arg("SET")
+            .arg(redis_key.as_bytes())
             .arg(claim)
             .arg("NX")
             .arg("PX")
