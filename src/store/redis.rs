@@ -22,10 +22,8 @@
 //! case a message was lost. Requests that nobody waits on publish nothing
 //! and touch no other key.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::ThreadId;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -237,23 +235,18 @@ impl redis::aio::ConnectionLike for Conn {
     }
 }
 
-/// One value per thread.
-struct PerThread<T>(Mutex<HashMap<ThreadId, T>>);
+/// One value per thread, found without a lock: one map behind a mutex,
+/// looked up on every command, would move the lock's cache line between
+/// the workers' cores each time.
+struct PerThread<T: Send>(thread_local::ThreadLocal<T>);
 
-impl<T: Clone> PerThread<T> {
+impl<T: Clone + Send> PerThread<T> {
     fn new() -> PerThread<T> {
-        PerThread(Mutex::new(HashMap::new()))
+        PerThread(thread_local::ThreadLocal::new())
     }
 
     fn get_or(&self, make: impl FnOnce() -> Result<T, RedisError>) -> Result<T, RedisError> {
-        let mut slots = lock(&self.0);
-        let id = std::thread::current().id();
-        if let Some(value) = slots.get(&id) {
-            return Ok(value.clone());
-        }
-        let value = make()?;
-        slots.insert(id, value.clone());
-        Ok(value)
+        self.0.get_or_try(make).cloned()
     }
 }
 
