@@ -22,8 +22,10 @@
 //! case a message was lost. Requests that nobody waits on publish nothing
 //! and touch no other key.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -237,8 +239,11 @@ impl redis::aio::ConnectionLike for Conn {
 
 /// One value per thread, found without a lock: one map behind a mutex,
 /// looked up on every command, would move the lock's cache line between
-/// the workers' cores each time.
-struct PerThread<T: Send>(thread_local::ThreadLocal<T>);
+/// the workers' cores each time. `ThreadLocal` hands an exited thread's
+/// slot to a later thread, so each value is kept with the thread that
+/// made it and made again for another: a connection is tied to the
+/// runtime it was made on, which may have gone with that thread.
+struct PerThread<T: Send>(thread_local::ThreadLocal<RefCell<Option<(ThreadId, T)>>>);
 
 impl<T: Clone + Send> PerThread<T> {
     fn new() -> PerThread<T> {
@@ -246,7 +251,19 @@ impl<T: Clone + Send> PerThread<T> {
     }
 
     fn get_or(&self, make: impl FnOnce() -> Result<T, RedisError>) -> Result<T, RedisError> {
-        self.0.get_or_try(make).cloned()
+        thread_local! {
+            static ME: ThreadId = std::thread::current().id();
+        }
+        let me = ME.with(|me| *me);
+        let mut slot = self.0.get_or_default().borrow_mut();
+        match &*slot {
+            Some((owner, value)) if *owner == me => Ok(value.clone()),
+            _ => {
+                let value = make()?;
+                *slot = Some((me, value.clone()));
+                Ok(value)
+            }
+        }
     }
 }
 
@@ -755,6 +772,22 @@ async fn listen(nodes: Vec<redis::Client>, waiters: Arc<Waiters>, listening: Arc
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_thread_never_gets_a_value_another_thread_made() {
+        let values = Arc::new(PerThread::<&str>::new());
+        let on_a_thread = |made: &'static str| {
+            let values = values.clone();
+            std::thread::spawn(move || values.get_or(|| Ok(made)).unwrap())
+                .join()
+                .unwrap()
+        };
+        assert_eq!(on_a_thread("first"), "first");
+        // The first thread has exited: its slot may go to the next one.
+        assert_eq!(on_a_thread("second"), "second");
+        assert_eq!(values.get_or(|| Ok("here")).unwrap(), "here");
+        assert_eq!(values.get_or(|| Ok("again")).unwrap(), "here");
+    }
 
     #[test]
     fn redis_keys_are_hash_tagged_and_reversible() {
