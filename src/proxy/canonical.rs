@@ -71,10 +71,13 @@ fn write_number(n: &serde_json::Number, out: &mut Vec<u8>) {
         // that has no fraction: the casts are exact.)
         const LOW: f64 = i64::MIN as f64;
         const HIGH: f64 = 18_446_744_073_709_551_616.0; // 2^64
-        if f.fract() == 0.0 && (LOW..0.0).contains(&f) {
-            out.extend_from_slice((f as i64).to_string().as_bytes());
-        } else if f.fract() == 0.0 && (0.0..HIGH).contains(&f) {
-            out.extend_from_slice((f as u64).to_string().as_bytes());
+        if f.fract() == 0.0 && (LOW..HIGH).contains(&f) {
+            let integer = if f < 0.0 {
+                (f as i64).to_string()
+            } else {
+                (f as u64).to_string()
+            };
+            out.extend_from_slice(integer.as_bytes());
         } else {
             out.extend_from_slice(format!("{f:e}").as_bytes());
         }

@@ -78,26 +78,21 @@ impl Reloader {
     pub fn apply(&self, config: Config) -> Result<(), tls::TlsError> {
         let old = self.gateway.load();
         let before = old.config();
-        if config.server.listen != before.server.listen || config.server.admin_listen != before.server.admin_listen {
-            tracing::warn!("listen addresses changed: they take effect after a restart");
-        }
-        if config.store.backend != before.store.backend {
-            tracing::warn!("store backend changed: it takes effect after a restart");
-        }
-        if config.server.tls.is_some() != before.server.tls.is_some() {
-            tracing::warn!("turning TLS on or off takes effect after a restart");
-        }
+        // TLS on or off, or other certificate or key files.
         let tls_files = |c: &Config| c.server.tls.as_ref().map(|t| (t.cert.clone(), t.key.clone()));
         let restart_only = [
+            ("server.listen", config.server.listen != before.server.listen),
             (
-                "server.tls",
-                config.server.tls.is_some() && before.server.tls.is_some() && tls_files(&config) != tls_files(before),
+                "server.admin_listen",
+                config.server.admin_listen != before.server.admin_listen,
             ),
+            ("server.tls", tls_files(&config) != tls_files(before)),
             (
                 "server.header_read_timeout",
                 config.server.header_read_timeout != before.server.header_read_timeout,
             ),
             ("server.workers", config.server.workers != before.server.workers),
+            ("store.backend", config.store.backend != before.store.backend),
             ("store.timeout", config.store.timeout != before.store.timeout),
         ];
         for (field, changed) in restart_only {
