@@ -14,6 +14,7 @@ Needs: wrk, nginx, redis-server (Debian packages) and a release build
     python3 bench/run.py                       # every scenario, 3 rounds of 10 s
     python3 bench/run.py --rounds 5 --duration 15 --scenarios memory-new,redis-new
     python3 bench/run.py --workers 4           # idemgate with server.workers = 4
+    python3 bench/run.py --binary target/pgo/x86_64-unknown-linux-gnu/release/idemgate   # bench/pgo.py's build
 """
 
 import argparse
@@ -102,13 +103,18 @@ BACKEND = """
     }}
 """
 
+# `reuseport`: a listening socket per worker, so the kernel spreads the
+# connections over nginx's workers as it does over idemgate's. Without it,
+# whichever worker wakes first takes a whole burst of wrk's connections: in
+# 4 s runs by hand all 64 landed on one worker in two runs of three, and
+# nginx's rate moved between 38k and 55k req/s from round to round.
 PASS_THROUGH = """
     upstream backend {{
         server 127.0.0.1:{backend};
         keepalive 256;
     }}
     server {{
-        listen 127.0.0.1:{port};
+        listen 127.0.0.1:{port} reuseport;
         location / {{
             proxy_pass http://backend;
             proxy_http_version 1.1;
@@ -256,7 +262,7 @@ def one_connection(procs, tmp, backend_port, nginx_port, script, args, backend_p
     with open(conf, "w") as f:
         f.write(IDEMGATE.format(port=port, backend=backend_port, store="memory", store_extra='max_memory = "64MiB"',
                                 server_extra=server_extra(args)))
-    gate = procs.start([BINARY, "--config", conf], env={**os.environ, "RUST_LOG": "warn"})
+    gate = procs.start([args.binary, "--config", conf], env={**os.environ, "RUST_LOG": "warn"})
     wait_port(port)
     servers = backend_pids + nginx_pids + [gate.pid]
     every = os.sched_getaffinity(0)
@@ -286,6 +292,7 @@ def main():
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="wrk threads")
     parser.add_argument("--workers", type=int, help="idemgate's server.workers (default: its own default)")
+    parser.add_argument("--binary", default=BINARY, help="the idemgate to run (default: target/release/idemgate)")
     parser.add_argument("--scenarios",
                         default="memory-new,memory-replay,memory-paced,redis-new,embedded-new,memory1m-new,"
                                 "latency-1conn")
@@ -293,8 +300,8 @@ def main():
     for tool in ("wrk", "nginx", "redis-server"):
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: apt-get install wrk nginx redis-server")
-    if not os.path.exists(BINARY):
-        sys.exit("build first: cargo build --release")
+    if not os.path.exists(args.binary):
+        sys.exit(f"{args.binary} is missing: build first (cargo build --release, or python3 bench/pgo.py)")
 
     tmp = tempfile.mkdtemp(prefix="idemgate-bench-")
     procs = Processes()
@@ -345,7 +352,7 @@ def main():
                 f.write(IDEMGATE.format(port=port, backend=backend_port, store=store.removesuffix("1m"),
                                         server_extra=server_extra(args),
                                         store_extra=extra))
-            gate = procs.start([BINARY, "--config", conf], env={**os.environ, "RUST_LOG": "warn"})
+            gate = procs.start([args.binary, "--config", conf], env={**os.environ, "RUST_LOG": "warn"})
             wait_port(port)
             script = scripts[kind]
             if store == "memory1m":
@@ -370,8 +377,8 @@ def main():
             ours_median["rss"] = rss
             rows.append((scenario, {k: med(theirs, k) for k in theirs[0]}, ours_median))
 
-        print(f"\n{args.rounds} interleaved rounds of {args.duration} s, {args.connections} connections, "
-              f"{args.threads} wrk threads, {os.cpu_count()} cores; medians.\n")
+        print(f"\n{os.path.relpath(args.binary, ROOT)}: {args.rounds} interleaved rounds of {args.duration} s, "
+              f"{args.connections} connections, {args.threads} wrk threads, {os.cpu_count()} cores; medians.\n")
         print("| scenario | nginx req/s | idemgate req/s | ratio | nginx p50 / p99 ms | idemgate p50 / p99 ms "
               "| nginx CPU µs/req | idemgate CPU µs/req | idemgate peak RSS MiB | idemgate non-2xx |")
         print("|---|---|---|---|---|---|---|---|---|---|")
