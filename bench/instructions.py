@@ -14,8 +14,10 @@ about 12k instructions per request.
 Needs: valgrind, wrk, nginx and a release build (`cargo build --release`).
 
     python3 bench/instructions.py
+    python3 bench/instructions.py --binary target/pgo/x86_64-unknown-linux-gnu/release/idemgate
 """
 
+import argparse
 import glob
 import os
 import shutil
@@ -52,11 +54,14 @@ def instructions(procs, tmp, name, command, port, script):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--binary", default=bench.BINARY, help="the idemgate to run (default: target/release/idemgate)")
+    args = parser.parse_args()
     for tool in ("valgrind", "callgrind_control", "wrk", "nginx"):
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: apt-get install valgrind wrk nginx")
-    if not os.path.exists(bench.BINARY):
-        sys.exit("build first: cargo build --release")
+    if not os.path.exists(args.binary):
+        sys.exit(f"{args.binary} is missing: build first (cargo build --release, or python3 bench/pgo.py)")
     tmp = tempfile.mkdtemp(prefix="idemgate-instructions-")
     procs = bench.Processes()
     try:
@@ -78,7 +83,7 @@ def main():
         with open(conf, "w") as f:
             f.write(bench.IDEMGATE.format(port=gate_port, backend=backend_port, store="memory",
                                           store_extra='max_memory = "64MiB"', server_extra=""))
-        gate_ir, gate_n = instructions(procs, tmp, "idemgate", [bench.BINARY, "--config", conf], gate_port, script)
+        gate_ir, gate_n = instructions(procs, tmp, "idemgate", [args.binary, "--config", conf], gate_port, script)
 
         print("| proxy | requests counted | instructions per request |")
         print("|---|---|---|")

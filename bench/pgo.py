@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""A profile-guided (PGO) release build of idemgate.
+
+Builds idemgate instrumented, runs it on each store (memory, Redis,
+embedded) in front of the benchmark's trivial backend while wrk sends new
+keys, replays and reused keys at 64 connections and at one, merges the
+profiles, and builds again with them: the compiler then lays out and
+inlines the code for the paths a gateway actually runs. The result is
+`target/pgo/<host>/release/idemgate`; `python3 bench/run.py --binary
+<that path>` benchmarks it. The plain `cargo build --release` is untouched.
+
+Needs: wrk, nginx, redis-server, and the `llvm-profdata` of the LLVM that
+rustc is built on (`rustc -vV` names it; on Debian bookworm with LLVM 22:
+`apt-get install llvm-22`). Only loopback addresses are used.
+
+    python3 bench/pgo.py
+"""
+
+import glob
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run as bench  # noqa: E402  (the benchmark's backend, configs and helpers)
+
+# The same key with a different body on every other request: 422s.
+REUSED = """
+local counter = 0
+function request()
+  counter = counter + 1
+  return wrk.format("POST", "/bench", {["Idempotency-Key"] = "reused-" .. (counter % 16), ["Content-Type"] = "application/json"}, '{"sku":' .. (counter % 2) .. '}')
+end
+"""
+
+
+def llvm_profdata():
+    """The llvm-profdata that reads what this rustc's LLVM writes."""
+    version = subprocess.run(["rustc", "-vV"], capture_output=True, text=True, check=True).stdout
+    major = re.search(r"LLVM version: (\d+)", version).group(1)
+    for tool in (f"llvm-profdata-{major}", "llvm-profdata"):
+        path = shutil.which(tool)
+        if path:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+            if re.search(rf"LLVM version {major}\.", out):
+                return path
+    sys.exit(f"no llvm-profdata of LLVM {major} (rustc's): apt-get install llvm-{major}")
+
+
+def host():
+    version = subprocess.run(["rustc", "-vV"], capture_output=True, text=True, check=True).stdout
+    return re.search(r"host: (\S+)", version).group(1)
+
+
+def build(target_dir, rustflags):
+    # With an explicit --target, RUSTFLAGS reach idemgate and its
+    # dependencies but not build scripts and proc macros.
+    subprocess.run(["cargo", "build", "--release", "--locked", "--bin", "idemgate", "--target", host(),
+                    "--target-dir", target_dir],
+                   cwd=bench.ROOT, env={**os.environ, "RUSTFLAGS": rustflags}, check=True)
+    return os.path.join(target_dir, host(), "release", "idemgate")
+
+
+def train(binary, profiles, tmp):
+    """Runs the instrumented binary on every store under load."""
+    procs = bench.Processes()
+    try:
+        backend_port = bench.free_port()
+        bench.nginx(procs, tmp, "backend", bench.BACKEND.format(port=backend_port), 1)
+        bench.wait_port(backend_port)
+        redis_port = bench.free_port()
+        procs.start(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no"])
+        bench.wait_port(redis_port)
+        scripts = {}
+        for name, text in (("new", bench.NEW_KEYS), ("replay", bench.REPLAYS), ("reused", REUSED)):
+            scripts[name] = os.path.join(tmp, f"{name}.lua")
+            with open(scripts[name], "w") as f:
+                f.write(text)
+        stores = {
+            "memory": 'max_memory = "16MiB"',
+            "redis": f'url = "redis://127.0.0.1:{redis_port}/0"',
+            "embedded": f'path = "{tmp}/pgo-{time.time_ns()}.redb"',
+        }
+        for store, extra in stores.items():
+            port = bench.free_port()
+            conf = os.path.join(tmp, f"idemgate-{store}.toml")
+            with open(conf, "w") as f:
+                f.write(bench.IDEMGATE.format(port=port, backend=backend_port, store=store, server_extra="",
+                                              store_extra=extra))
+            gate = procs.start([binary, "--config", conf],
+                               env={**os.environ, "RUST_LOG": "warn",
+                                    "LLVM_PROFILE_FILE": os.path.join(profiles, f"{store}-%p.profraw")})
+            bench.wait_port(port)
+            for script, seconds, connections, threads in (("new", 6, 64, 2), ("replay", 3, 64, 2),
+                                                          ("reused", 2, 64, 2), ("new", 2, 1, 1)):
+                bench.wrk(port, scripts[script], seconds, connections, threads)
+            print(f"  trained on the {store} store", file=sys.stderr)
+            # A clean exit writes the profile.
+            procs.stop(gate)
+    finally:
+        procs.stop_all()
+
+
+def main():
+    for tool in ("wrk", "nginx", "redis-server"):
+        if not shutil.which(tool):
+            sys.exit(f"{tool} is missing: apt-get install wrk nginx redis-server")
+    profdata = llvm_profdata()
+    tmp = tempfile.mkdtemp(prefix="idemgate-pgo-")
+    try:
+        # A fixed directory, so an unchanged instrumented build is reused.
+        profiles = os.path.join(bench.ROOT, "target", "pgo-profiles")
+        shutil.rmtree(profiles, ignore_errors=True)
+        os.makedirs(profiles)
+        instrumented = build(os.path.join(bench.ROOT, "target", "pgo-generate"), f"-Cprofile-generate={profiles}")
+        train(instrumented, profiles, tmp)
+        raw = glob.glob(os.path.join(profiles, "*.profraw"))
+        if len(raw) < 3:
+            sys.exit(f"expected a profile per store, found {len(raw)}")
+        merged = os.path.join(profiles, "merged.profdata")
+        subprocess.run([profdata, "merge", "-o", merged] + raw, check=True)
+        # Cargo does not track the profile's content, only the flags: a
+        # name after the content makes a new profile a new build.
+        with open(merged, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        merged = shutil.move(merged, os.path.join(bench.ROOT, "target", f"pgo-{digest}.profdata"))
+        binary = build(os.path.join(bench.ROOT, "target", "pgo"), f"-Cprofile-use={merged}")
+        print(f"\n{binary}\n\nbenchmark it: python3 bench/run.py --binary {os.path.relpath(binary, os.getcwd())}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
