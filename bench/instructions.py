@@ -68,9 +68,7 @@ def main():
         backend_port, nginx_port, gate_port = bench.free_port(), bench.free_port(), bench.free_port()
         bench.nginx(procs, tmp, "backend", bench.BACKEND.format(port=backend_port), 1)
         bench.wait_port(backend_port)
-        script = os.path.join(tmp, "new.lua")
-        with open(script, "w") as f:
-            f.write(bench.NEW_KEYS)
+        script = bench.lua_scripts(tmp, [("new", bench.NEW_KEYS)])["new"]
 
         # One nginx worker in the foreground process, so callgrind sees it.
         conf = os.path.join(tmp, "nginx-proxy.conf")

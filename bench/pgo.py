@@ -78,15 +78,8 @@ def train(binary, profiles, tmp):
         backend_port = bench.free_port()
         bench.nginx(procs, tmp, "backend", bench.BACKEND.format(port=backend_port), 1)
         bench.wait_port(backend_port)
-        redis_port = bench.free_port()
-        procs.start(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no"])
-        bench.wait_port(redis_port)
-        scripts = {}
-        for name, text in (("new", bench.NEW_KEYS), ("replay", bench.REPLAYS), ("reused", REUSED)):
-            scripts[name] = os.path.join(tmp, f"{name}.lua")
-            with open(scripts[name], "w") as f:
-                f.write(text)
+        redis_port = bench.redis_server(procs)
+        scripts = bench.lua_scripts(tmp, (("new", bench.NEW_KEYS), ("replay", bench.REPLAYS), ("reused", REUSED)))
         stores = {
             "memory": 'max_memory = "16MiB"',
             "redis": f'url = "redis://127.0.0.1:{redis_port}/0"',
@@ -118,9 +111,7 @@ def train(binary, profiles, tmp):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.parse_args()
-    for tool in ("wrk", "nginx", "redis-server"):
-        if not shutil.which(tool):
-            sys.exit(f"{tool} is missing: apt-get install wrk nginx redis-server")
+    bench.require_tools()
     profdata = llvm_profdata()
     tmp = tempfile.mkdtemp(prefix="idemgate-pgo-")
     try:

@@ -202,6 +202,30 @@ def nginx(procs, tmp, name, body, workers):
     return procs.start(["nginx", "-c", conf, "-p", tmp])
 
 
+def require_tools():
+    for tool in ("wrk", "nginx", "redis-server"):
+        if not shutil.which(tool):
+            sys.exit(f"{tool} is missing: apt-get install wrk nginx redis-server")
+
+
+def redis_server(procs):
+    """A redis-server of our own, keeping nothing on disk; returns its port."""
+    port = free_port()
+    procs.start(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+    wait_port(port)
+    return port
+
+
+def lua_scripts(tmp, texts):
+    """Writes wrk's scripts, (name, text) pairs, to `tmp`; returns their paths by name."""
+    scripts = {}
+    for name, text in texts:
+        scripts[name] = os.path.join(tmp, f"{name}.lua")
+        with open(scripts[name], "w") as f:
+            f.write(text)
+    return scripts
+
+
 def wrk(port, script, duration, connections, threads, cpus=None):
     """One wrk run; on `cpus` only, when given."""
     out = subprocess.run(
@@ -297,9 +321,7 @@ def main():
                         default="memory-new,memory-replay,memory-paced,redis-new,embedded-new,memory1m-new,"
                                 "latency-1conn")
     args = parser.parse_args()
-    for tool in ("wrk", "nginx", "redis-server"):
-        if not shutil.which(tool):
-            sys.exit(f"{tool} is missing: apt-get install wrk nginx redis-server")
+    require_tools()
     if not os.path.exists(args.binary):
         sys.exit(f"{args.binary} is missing: build first (cargo build --release, or python3 bench/pgo.py)")
 
@@ -314,17 +336,11 @@ def main():
         nginx_pids = [pass_through.pid] + children(pass_through.pid)
         backend_pids = [backend.pid] + children(backend.pid)
 
-        scripts = {}
         # 64 connections, each pausing this long: about 20k req/s offered.
         pause = args.connections * 1000 / 20000
-        for name, text in (("new", NEW_KEYS), ("replay", REPLAYS), ("paced", PACED.replace("{pause_ms}", f"{pause:.2f}"))):
-            scripts[name] = os.path.join(tmp, f"{name}.lua")
-            with open(scripts[name], "w") as f:
-                f.write(text)
-
-        redis_port = free_port()
-        procs.start(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-        wait_port(redis_port)
+        scripts = lua_scripts(tmp, (("new", NEW_KEYS), ("replay", REPLAYS),
+                                    ("paced", PACED.replace("{pause_ms}", f"{pause:.2f}"))))
+        redis_port = redis_server(procs)
 
         rows = []
         latency = None
