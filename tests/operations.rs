@@ -84,6 +84,42 @@ async fn request_logs_name_route_outcome_and_key_hash_but_never_secrets() {
 }
 
 #[tokio::test]
+async fn shadow_mode_logs_what_enforce_would_have_done_with_the_key_hashed() {
+    let logs = captured();
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        r#"
+[defaults]
+mode = "shadow"
+[[route]]
+name = "shadowed"
+path = "/v1/shadowed"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    let url = proxy.url("/v1/shadowed");
+    let secret_key = "shadow-SECRET-91c3";
+    client.post(&url, secret_key, "a").await;
+    client.post(&url, secret_key, "a").await;
+    client.post(&url, secret_key, "b").await;
+    assert_eq!(upstream.hits(), 3, "shadow mode forwards every one");
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|line| line.contains("shadow mode forwarded it") && line.contains("shadowed"))
+        .collect();
+    assert_eq!(lines.len(), 2, "one line per request enforce would not forward:\n{text}");
+    for (line, outcome) in lines.iter().zip(["shadow_replayed", "shadow_mismatch"]) {
+        assert!(line.contains(" INFO "), "{line}");
+        assert!(line.contains(&format!("outcome=\"{outcome}\"")), "{line}");
+        assert!(line.contains("key="), "{line}");
+        assert!(!line.contains("SECRET"), "{line}");
+    }
+}
+
+#[tokio::test]
 async fn a_reload_adds_a_route_and_leaves_requests_in_flight_alone() {
     let _ = captured();
     let upstream = Upstream::start(|hit, seen| {

@@ -436,21 +436,21 @@ impl Exchange {
             }
             Some(Err(error)) if error.is_connect() => {
                 counters.count(TelemetryOutcome::UpstreamError);
-                tracing::warn!(key = %key.tag(), error = %error_chain(&error), "upstream unreachable");
+                tracing::warn!(route = %live.route.name, key = %key.tag(), error = %error_chain(&error), "upstream unreachable");
                 guard.release().await;
                 let _ = reply.send(Problem::UpstreamUnavailable("the upstream cannot be reached".into()).response());
                 return;
             }
             Some(Err(error)) => {
                 counters.count(TelemetryOutcome::UpstreamError);
-                tracing::warn!(key = %key.tag(), error = %error_chain(&error), "upstream failed after the request was sent");
+                tracing::warn!(route = %live.route.name, key = %key.tag(), error = %error_chain(&error), "upstream failed after the request was sent");
                 let problem = fail(guard, policy, Failure::Broken).await;
                 let _ = reply.send(problem.response());
                 return;
             }
             None => {
                 counters.count(TelemetryOutcome::UpstreamError);
-                tracing::warn!(key = %key.tag(), "upstream timed out");
+                tracing::warn!(route = %live.route.name, key = %key.tag(), "upstream timed out");
                 let problem = fail(guard, policy, Failure::Timeout).await;
                 let _ = reply.send(problem.response());
                 return;
@@ -494,7 +494,7 @@ impl Exchange {
                     whole = body.is_end_stream();
                 }
                 Some(Some(Err(error))) => {
-                    tracing::warn!(key = %key.tag(), %error, "upstream body broke off");
+                    tracing::warn!(route = %live.route.name, key = %key.tag(), %error, "upstream body broke off");
                     let problem = fail(guard, policy, Failure::Broken).await;
                     let _ = reply.send(problem.response());
                     return;
@@ -543,13 +543,13 @@ impl Exchange {
                     Ok(None) => break,
                     Ok(Some(Ok(frame))) => frame,
                     Ok(Some(Err(error))) => {
-                        tracing::warn!(key = %key.tag(), %error, "upstream body broke off");
+                        tracing::warn!(route = %live.route.name, key = %key.tag(), %error, "upstream body broke off");
                         fail(guard, policy, Failure::Broken).await;
                         abort(relay.client, "the upstream response broke off");
                         return;
                     }
                     Err(_) => {
-                        tracing::warn!(key = %key.tag(), "upstream body timed out");
+                        tracing::warn!(route = %live.route.name, key = %key.tag(), "upstream body timed out");
                         fail(guard, policy, Failure::Timeout).await;
                         abort(relay.client, "the upstream response timed out");
                         return;

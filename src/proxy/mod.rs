@@ -164,7 +164,9 @@ impl Gateway {
     /// Answers one client request. Never fails: every error is a response.
     ///
     /// Runs in a `request` span with the route, the outcome and a short hash
-    /// of the record key (never the key itself).
+    /// of the record key (never the key itself), at DEBUG: an INFO span would
+    /// be made, filled in and entered on every poll for every request, to
+    /// serve only the rare warning, which names its route or key itself.
     ///
     /// Not an `async fn`: the route is chosen at once, and the future is
     /// that route's own. Each layer of `async fn` would hold its arguments
@@ -175,7 +177,7 @@ impl Gateway {
         request: Request<ClientBody>,
         peer: Peer,
     ) -> impl Future<Output = Response<ResponseBody>> + '_ {
-        let span = tracing::info_span!("request", route = Empty, outcome = Empty, key = Empty);
+        let span = tracing::debug_span!("request", route = Empty, outcome = Empty, key = Empty);
         let answer = match self.route_for(&request) {
             Routed::Idempotent(live, params) => Either::Left(self.idempotent(live, params, request, peer)),
             Routed::PassThrough(upstream) => {
@@ -239,7 +241,7 @@ impl Gateway {
             Ok(k) => k,
             Err(problem) => {
                 return self
-                    .refuse(live, problem, parts, Some(RequestBody::Streaming(body)), peer)
+                    .refuse(live, problem, None, parts, Some(RequestBody::Streaming(body)), peer)
                     .await;
             }
         };
@@ -247,7 +249,7 @@ impl Gateway {
             if policy.key.required {
                 let problem = Problem::KeyMissing(format!("this route needs an {} header", policy.key.header));
                 return self
-                    .refuse(live, problem, parts, Some(RequestBody::Streaming(body)), peer)
+                    .refuse(live, problem, None, parts, Some(RequestBody::Streaming(body)), peer)
                     .await;
             }
             live.counters.count(Outcome::Passthrough);
@@ -257,7 +259,7 @@ impl Gateway {
         // 3. The body, buffered.
         let body = match self.read_body(body).await {
             Ok(bytes) => bytes,
-            Err((problem, body)) => return self.refuse(live, problem, parts, body, peer).await,
+            Err((problem, body)) => return self.refuse(live, problem, None, parts, body, peer).await,
         };
         let wants_json = policy.fingerprint.body == crate::config::BodyMode::Json
             || (header_key.is_none() && policy.key.derive.iter().any(|f| matches!(f, DeriveField::Body(_))));
@@ -280,7 +282,7 @@ impl Gateway {
                     Ok(k) => k,
                     Err(problem) => {
                         return self
-                            .refuse(live, problem, parts, Some(RequestBody::Buffered(body)), peer)
+                            .refuse(live, problem, None, parts, Some(RequestBody::Buffered(body)), peer)
                             .await;
                     }
                 }
@@ -335,6 +337,7 @@ impl Gateway {
                     }
                     Stored::Response(_) => {
                         live.counters.count(Outcome::ShadowReplayed);
+                        shadowed(live, Outcome::ShadowReplayed, Some(&record_key));
                         let request = Request::from_parts(parts, ClientBody::whole(body));
                         return Box::pin(self.forward(request, upstream, peer)).await;
                     }
@@ -365,7 +368,14 @@ impl Gateway {
                 }
             };
             return self
-                .refuse(live, problem, parts, Some(RequestBody::Buffered(body)), peer)
+                .refuse(
+                    live,
+                    problem,
+                    Some(&record_key),
+                    parts,
+                    Some(RequestBody::Buffered(body)),
+                    peer,
+                )
                 .await;
         };
 
@@ -406,13 +416,15 @@ impl Gateway {
         .await
     }
 
-    /// Answers `problem`, or in shadow mode counts it and forwards anyway.
-    /// A store that is down with `on_error = "pass"` forwards too. A `body`
-    /// of `None` was partly read already, so it is never forwarded.
+    /// Answers `problem`, or in shadow mode counts and logs it and forwards
+    /// anyway. A store that is down with `on_error = "pass"` forwards too. A
+    /// `body` of `None` was partly read already, so it is never forwarded.
+    /// `record_key`, once known, names the record in the log.
     async fn refuse(
         &self,
         live: &LiveRoute,
         problem: Problem,
+        record_key: Option<&crate::store::RecordKey>,
         parts: Parts,
         body: Option<RequestBody>,
         peer: Peer,
@@ -421,7 +433,11 @@ impl Gateway {
         let upstream = &live.upstream;
         let pass = problem == Problem::StoreUnavailable && self.config.store.on_error == OnStoreError::Pass;
         if let Some(body) = body.filter(|_| live.route.policy.mode == Mode::Shadow || pass) {
-            live.counters.count(if pass { outcome } else { outcome.shadowed() });
+            let outcome = if pass { outcome } else { outcome.shadowed() };
+            live.counters.count(outcome);
+            if !pass {
+                shadowed(live, outcome, record_key);
+            }
             return Box::pin(self.forward(Request::from_parts(parts, body.into()), upstream, peer)).await;
         }
         live.counters.count(outcome);
@@ -526,6 +542,17 @@ fn replay(stored: &StoredResponse, policy: &Policy) -> Response<ResponseBody> {
     }
     headers.insert(REPLAYED.clone(), HeaderValue::from_static("true"));
     response
+}
+
+/// Logs what enforce mode would have done with a request that shadow mode
+/// forwards: what shadow mode is for.
+fn shadowed(live: &LiveRoute, outcome: Outcome, record_key: Option<&crate::store::RecordKey>) {
+    match record_key {
+        Some(key) => {
+            tracing::info!(route = %live.route.name, outcome = outcome.name(), key = %key.tag(), "shadow mode forwarded it")
+        }
+        None => tracing::info!(route = %live.route.name, outcome = outcome.name(), "shadow mode forwarded it"),
+    }
 }
 
 fn outcome_of(problem: &Problem) -> Outcome {

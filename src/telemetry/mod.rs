@@ -5,11 +5,11 @@ pub mod metrics;
 pub use metrics::{Metrics, Outcome, RouteCounters};
 
 /// The current request's span (see `Gateway::handle`), when there is one
-/// to record on. It is at INFO: below that, one load of the level filter
+/// to record on. It is at DEBUG: above that, one load of the level filter
 /// settles it, where looking up the current span would cost more than the
 /// request's other bookkeeping.
 pub fn request_span() -> Option<tracing::Span> {
-    if !tracing::level_enabled!(tracing::Level::INFO) {
+    if !tracing::level_enabled!(tracing::Level::DEBUG) {
         return None;
     }
     let span = tracing::Span::current();
