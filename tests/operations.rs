@@ -110,7 +110,11 @@ path = "/v1/shadowed"
         .lines()
         .filter(|line| line.contains("shadow mode forwarded it") && line.contains("shadowed"))
         .collect();
-    assert_eq!(lines.len(), 2, "one line per request enforce would not forward:\n{text}");
+    assert_eq!(
+        lines.len(),
+        2,
+        "one line per request enforce would not forward:\n{text}"
+    );
     for (line, outcome) in lines.iter().zip(["shadow_replayed", "shadow_mismatch"]) {
         assert!(line.contains(" INFO "), "{line}");
         assert!(line.contains(&format!("outcome=\"{outcome}\"")), "{line}");

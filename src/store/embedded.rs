@@ -31,7 +31,9 @@
 //! Replays of completed records are read from the overlay or a read
 //! transaction without going through the writer. Leases and TTLs are
 //! wall-clock deadlines in the record, so a claim of a crashed process runs
-//! out after a restart. An expired record is ignored at once and removed by
+//! out after a restart; within a run they are read against the wall clock
+//! at start moved on by the monotonic clock (see [`now_ms`]), so a step of
+//! the system clock does not cut a lease short. An expired record is ignored at once and removed by
 //! the checkpoint thread's sweep, which walks the table a batch at a time
 //! (a cursor that wraps around), so no second index is kept.
 
@@ -81,10 +83,28 @@ const CACHE_BYTES: usize = 64 << 20;
 const SWEEP_EVERY: Duration = Duration::from_millis(500);
 const SWEEP_BATCH: usize = 4096;
 
+/// The store's clock, in milliseconds since the Unix epoch: the wall clock
+/// as it read when first asked, moved on by the monotonic clock since.
+/// Deadlines in the file are wall-clock times, so leases and TTLs run on
+/// across a restart; within a run, a step of the system clock (NTP, a
+/// virtual machine resumed) can neither cut a working owner's lease short,
+/// which would let a second claim reach the upstream, nor keep a record
+/// past its TTL.
 fn now_ms() -> u64 {
+    static ORIGIN: OnceLock<(Instant, u64)> = OnceLock::new();
+    let &(origin, wall) = ORIGIN.get_or_init(|| (Instant::now(), wall_ms()));
+    anchored(origin, wall, Instant::now())
+}
+
+fn wall_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// `wall` (read at `origin`) moved on to `now` by the monotonic clock.
+fn anchored(origin: Instant, wall: u64, now: Instant) -> u64 {
+    wall.saturating_add(ms(now.saturating_duration_since(origin)))
 }
 
 fn ms(d: Duration) -> u64 {
@@ -1179,6 +1199,19 @@ impl Checkpointer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_clock_runs_on_the_monotonic_clock_from_the_wall_clock_at_start() {
+        let origin = Instant::now();
+        let later = origin + Duration::from_millis(2_500);
+        assert_eq!(anchored(origin, 1_000_000, later), 1_002_500);
+        // An instant before the origin (not one this store makes) reads as it.
+        assert_eq!(anchored(later, 7, origin), 7);
+        // Anchored within the run, it keeps with the wall clock while that
+        // is not stepped.
+        let (store, wall) = (now_ms(), wall_ms());
+        assert!(store.abs_diff(wall) < 1_000, "store {store} against wall {wall}");
+    }
 
     #[tokio::test]
     async fn ping_fails_once_the_writer_is_gone() {
