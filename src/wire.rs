@@ -74,7 +74,7 @@ pub fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Fram
                     };
                 };
                 *size += end + 2;
-                if *size > MAX_HEAD || trailers.len() >= MAX_HEADERS {
+                if *size > MAX_HEAD {
                     return Err("the trailers are too large");
                 }
                 if end == 0 {
@@ -82,6 +82,9 @@ pub fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Fram
                     let trailers = std::mem::take(trailers);
                     *state = Chunked::Done;
                     return Ok((!trailers.is_empty()).then(|| Frame::trailers(trailers)));
+                }
+                if trailers.len() >= MAX_HEADERS {
+                    return Err("the trailers are too large");
                 }
                 let line = buf.split_to(end + 2).freeze();
                 let colon = line.iter().position(|b| *b == b':').ok_or_else(bad)?;
@@ -523,6 +526,16 @@ mod tests {
         let mut state = Chunked::Size;
         let mut buf = BytesMut::from(&wire[..]);
         assert!(next_chunk(&mut state, &mut buf).is_err());
+
+        // Exactly as many as a head may have: taken.
+        let mut wire = b"0\r\n".to_vec();
+        for i in 0..MAX_HEADERS {
+            wire.extend_from_slice(format!("x-t{i}: 1\r\n").as_bytes());
+        }
+        wire.extend_from_slice(b"\r\n");
+        let (_, trailers, done) = chunks(&wire);
+        assert!(done);
+        assert_eq!(trailers.unwrap().len(), MAX_HEADERS);
     }
 
     #[test]

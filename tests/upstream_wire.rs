@@ -39,6 +39,17 @@ fn script(path: &str) -> (&'static [u8], bool) {
         "/then-close" => (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nthen-close", true),
         "/said-close" => (b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 10\r\n\r\nsaid-close", false),
         "/garbage" => (b"HTTP/9 what\r\n\r\n", true),
+        // Codings only the client could undo, which would reach it
+        // undeclared once this hop's Transfer-Encoding is dropped; and
+        // Transfer-Encoding on HTTP/1.0, whose framing is then faulty.
+        "/gzip-chunked" => (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n4\r\ngzip\r\n0\r\n\r\n",
+            false,
+        ),
+        "/chunked-1.0" => (
+            b"HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\nten!\r\n0\r\n\r\n",
+            true,
+        ),
         // Hop-by-hop headers in every spelling and place: a header named
         // by a later `Connection` line, and options beside names.
         "/hop" | "/hop-recorded" => (
@@ -178,6 +189,33 @@ async fn every_framing_arrives_whole_and_connections_are_reused() {
     assert_eq!(upstream.connections.load(Ordering::SeqCst), 4);
 
     assert_eq!(get("/garbage").await.status, StatusCode::BAD_GATEWAY);
+}
+
+#[tokio::test]
+async fn answers_in_transfer_codings_this_hop_cannot_pass_on_are_bad_gateways() {
+    let upstream = raw_upstream().await;
+    let proxy = Proxy::start(
+        &upstream.url,
+        r#"
+[[route]]
+name = "gzip"
+path = "/gzip-chunked"
+on_upstream_failure = "release"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    for path in ["/gzip-chunked", "/chunked-1.0"] {
+        let answer = client.send("GET", &proxy.url(path), &[], "").await;
+        assert_eq!(answer.status, StatusCode::BAD_GATEWAY, "{path}: {}", answer.text());
+    }
+    // Through a route: nothing recorded, and the claim released.
+    for _ in 0..2 {
+        let answer = client.post(&proxy.url("/gzip-chunked"), "g1", "{}").await;
+        assert_eq!(answer.status, StatusCode::BAD_GATEWAY, "{}", answer.text());
+        assert!(!answer.replayed());
+    }
+    assert_eq!(upstream.bodies.lock().unwrap().len(), 4);
 }
 
 #[tokio::test]

@@ -520,20 +520,25 @@ fn framing(
     minor: u8,
 ) -> Result<(Framing, bool), UpstreamError> {
     let headers = response.headers();
-    let keep_alive = if minor == 1 { !noted.close } else { noted.keep_alive };
+    // `close` wins over `keep-alive` when both are sent.
+    let keep_alive = !noted.close && (minor == 1 || noted.keep_alive);
     let status = response.status();
     if head_only || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
         return Ok((Framing::Empty, keep_alive));
     }
     if noted.transfer_encoding {
-        if minor == 1
-            && wire::tokens(headers, header::TRANSFER_ENCODING)
-                .next_back()
-                .is_some_and(|t| t.eq_ignore_ascii_case("chunked"))
-        {
+        // Only `chunked` is decoded, and Transfer-Encoding is this hop's:
+        // an answer passed on without another coding it declares (gzip, say)
+        // would reach the client, and every replay, undeclared. Refused, as
+        // nginx does; so is one on HTTP/1.0, whose framing is faulty (RFC
+        // 9112 §6.1).
+        let mut codings = wire::tokens(headers, header::TRANSFER_ENCODING);
+        if minor == 1 && codings.next().is_some_and(|t| t.eq_ignore_ascii_case("chunked")) && codings.next().is_none() {
             return Ok((Framing::Chunked(Chunked::Size), keep_alive));
         }
-        return Ok((Framing::Close, false));
+        return Err(UpstreamError::Protocol(
+            "the response's transfer coding is not chunked alone",
+        ));
     }
     let length = noted.content_length(headers).map_err(UpstreamError::Protocol)?;
     Ok(match length {
@@ -684,9 +689,16 @@ mod tests {
         ));
         assert!(matches!(f(&response(204, &[]), false, 1), (Framing::Empty, true)));
         assert!(matches!(
-            f(&response(200, &[("transfer-encoding", "gzip, chunked")]), false, 1),
+            f(&response(200, &[("transfer-encoding", "Chunked")]), false, 1),
             (Framing::Chunked(_), true)
         ));
+        // Codings other than chunked would pass on undeclared: refused.
+        for coding in ["gzip, chunked", "gzip", "chunked, chunked", "chunked, gzip"] {
+            assert!(
+                framing(&response(200, &[("transfer-encoding", coding)]), false, 1).is_err(),
+                "{coding}"
+            );
+        }
         assert!(matches!(f(&response(200, &[]), false, 1), (Framing::Close, false)));
         assert!(matches!(
             f(
@@ -710,10 +722,16 @@ mod tests {
         );
         assert!(framing(&response(200, &[("content-length", "+3")]), false, 1).is_err());
         assert!(framing(&response(200, &[("content-length", "1, 1")]), false, 1).is_ok());
-        // HTTP/1.0 has no chunked coding: the body runs to the close.
-        assert!(matches!(
-            f(&response(200, &[("transfer-encoding", "chunked")]), false, 0),
-            (Framing::Close, false)
-        ));
+        // HTTP/1.0 has no transfer codings: its framing is faulty.
+        assert!(framing(&response(200, &[("transfer-encoding", "chunked")]), false, 0).is_err());
+        // HTTP/1.0 keeps the connection only when asked, and `close` wins.
+        let kept = |headers: &[(&str, &str)]| f(&response(200, headers), false, 0).1;
+        assert!(kept(&[("content-length", "1"), ("connection", "keep-alive")]));
+        assert!(!kept(&[("content-length", "1"), ("connection", "keep-alive, close")]));
+        assert!(!kept(&[
+            ("content-length", "1"),
+            ("connection", "close"),
+            ("connection", "keep-alive")
+        ]));
     }
 }
