@@ -218,6 +218,39 @@ on_upstream_failure = "release"
     assert_eq!(upstream.bodies.lock().unwrap().len(), 4);
 }
 
+/// Trailers are not passed on, to HTTP/2 clients either: a replay could
+/// not give them back, and the first answer is the one replayed.
+#[tokio::test]
+async fn http2_clients_get_no_trailers_first_time_or_on_replay() {
+    use http_body_util::BodyExt;
+    let upstream = raw_upstream().await;
+    let proxy = Proxy::start(
+        &upstream.url,
+        r#"
+[[route]]
+name = "chunked"
+path = "/chunked"
+"#,
+    )
+    .await;
+    let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+    for replay in [false, true] {
+        let request = http::Request::post(proxy.url("/chunked"))
+            .header("idempotency-key", "h2-trailers")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        assert_eq!(response.version(), http::Version::HTTP_2);
+        assert_eq!(response.headers().contains_key("idempotent-replayed"), replay);
+        let body = response.into_body().collect().await.unwrap();
+        assert!(body.trailers().is_none(), "replay {replay}: {:?}", body.trailers());
+        assert_eq!(body.to_bytes(), "chunked");
+    }
+}
+
 #[tokio::test]
 async fn bodies_go_upstream_with_their_length_and_chunked_answers_are_recorded() {
     let upstream = raw_upstream().await;

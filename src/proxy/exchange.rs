@@ -469,7 +469,6 @@ impl Exchange {
         // allocation per request.)
         let mut early: SmallVec<[Bytes; 2]> = SmallVec::new();
         let mut early_len = 0;
-        let mut trailers: Option<HeaderMap> = None;
         let mut whole = body.is_end_stream();
         let mut yielded = false;
         while !whole && early_len <= limit {
@@ -484,12 +483,11 @@ impl Exchange {
                 None => break,
                 Some(None) => whole = true,
                 Some(Some(Ok(frame))) => {
-                    match frame.into_data() {
-                        Ok(data) => {
-                            early_len += data.len();
-                            early.push(data);
-                        }
-                        Err(frame) => trailers = frame.into_trailers().ok(),
+                    // Trailers are not passed on: a replay could not give
+                    // them back (see `kept`).
+                    if let Ok(data) = frame.into_data() {
+                        early_len += data.len();
+                        early.push(data);
                     }
                     whole = body.is_end_stream();
                 }
@@ -501,7 +499,7 @@ impl Exchange {
                 }
             }
         }
-        if whole && trailers.is_none() {
+        if whole {
             let outcome = keep.then(|| {
                 let headers: SmallVec<[_; 16]> = kept_headers(&head.headers, policy).collect();
                 kept(early_len > limit, status, &headers, &early)
@@ -555,9 +553,8 @@ impl Exchange {
                         return;
                     }
                 };
-                match frame.into_data() {
-                    Ok(data) => relay.data(data).await,
-                    Err(frame) => trailers = frame.into_trailers().ok().or(trailers),
+                if let Ok(data) = frame.into_data() {
+                    relay.data(data).await;
                 }
             }
         }
@@ -570,11 +567,10 @@ impl Exchange {
         });
         settle(guard, policy, outcome).await;
         if let Some(tx) = client {
-            let last = held.map(Frame::data).into_iter().chain(trailers.map(Frame::trailers));
-            for frame in last {
-                if tokio::time::timeout(client_timeout, tx.send(frame)).await != Ok(Ok(())) {
-                    return;
-                }
+            if let Some(last) = held
+                && tokio::time::timeout(client_timeout, tx.send(Frame::data(last))).await != Ok(Ok(()))
+            {
+                return;
             }
             tx.finish();
         }
