@@ -218,6 +218,59 @@ on_upstream_failure = "release"
     assert_eq!(upstream.bodies.lock().unwrap().len(), 4);
 }
 
+/// An upstream that answers before reading the body (here a 413) and
+/// closes with the body unread, which resets the connection while the
+/// request is still being written: its answer stands, and is recorded.
+#[tokio::test]
+async fn an_answer_sent_before_the_body_was_read_stands() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let requests = Arc::new(AtomicUsize::new(0));
+    let count = requests.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let mut chunk = [0u8; 4096];
+                    match socket.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let answer = b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 9\r\n\r\ntoo large";
+                let _ = socket.write_all(answer).await;
+                // Dropped with the body unread: the kernel resets the connection.
+            });
+        }
+    });
+    let proxy = Proxy::start(
+        &url,
+        r#"
+[server]
+max_request_body = "32MiB"
+[[route]]
+name = "upload"
+path = "/upload"
+on_upstream_failure = "release"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    // Far more than the sockets between them hold, so the write is still
+    // going when the reset comes.
+    let big = "x".repeat(16 << 20);
+    let first = client.post(&proxy.url("/upload"), "u1", &big).await;
+    assert_eq!(first.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", first.text());
+    assert_eq!(first.text(), "too large");
+    let again = client.post(&proxy.url("/upload"), "u1", &big).await;
+    assert!(again.replayed());
+    assert_eq!(again.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(requests.load(Ordering::SeqCst), 1);
+}
+
 /// Trailers are not passed on, to HTTP/2 clients either: a replay could
 /// not give them back, and the first answer is the one replayed.
 #[tokio::test]

@@ -63,6 +63,10 @@ struct Inner {
     idle_timeout: Duration,
 }
 
+/// How long an answer may take to be read after the request failed to go
+/// out whole (see [`UpstreamClient::request`]): one sent early has arrived.
+const EARLY_ANSWER_WAIT: Duration = Duration::from_secs(1);
+
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
     #[error("connecting to the upstream failed")]
@@ -283,9 +287,23 @@ impl UpstreamClient {
             // handshake's) would otherwise double this one's size.
             None => Box::pin(self.connect(&key)).await?,
         };
-        write_request(&mut conn, &parts, &key.authority, body).await?;
         let head_only = parts.method == Method::HEAD;
-        let (response, framing, keep_alive) = read_head(&mut conn, head_only).await?;
+        let sent = write_request(&mut conn, &parts, &key.authority, body).await;
+        let (response, framing, keep_alive) = match sent {
+            Ok(()) => read_head(&mut conn, head_only).await?,
+            // An upstream may answer before it has read the whole body (a
+            // 413, a 401) and then close, so the write fails: its answer,
+            // if it came first, stands (RFC 9112 §9.3). It is there to read
+            // already, or not coming. (Boxed: rare, and the wait would
+            // otherwise make every request's future larger.)
+            Err(UpstreamError::Io(error)) => {
+                match Box::pin(tokio::time::timeout(EARLY_ANSWER_WAIT, read_head(&mut conn, head_only))).await {
+                    Ok(Ok((response, framing, _))) => (response, framing, false),
+                    Ok(Err(_)) | Err(_) => return Err(UpstreamError::Io(error)),
+                }
+            }
+            Err(error) => return Err(error),
+        };
         let mut body = UpstreamResponseBody {
             conn: Some(conn),
             framing,
