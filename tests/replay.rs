@@ -380,10 +380,7 @@ ttl = "1500ms"
 async fn http2_clients_are_served_too() {
     let upstream = Upstream::created().await;
     let proxy = Proxy::start(&upstream.url(), ROUTES).await;
-    let client: hyper_util::client::legacy::Client<_, http_body_util::Full<Bytes>> =
-        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-            .http2_only(true)
-            .build_http();
+    let client = support::h2_client();
     for expect_replay in [false, true] {
         let request = http::Request::post(proxy.url("/v1/orders"))
             .header("idempotency-key", "h2")

@@ -218,6 +218,21 @@ on_upstream_failure = "release"
     assert_eq!(upstream.bodies.lock().unwrap().len(), 4);
 }
 
+/// The raw upstream behind a proxy with one route, on `/chunked`.
+async fn chunked_route() -> (RawUpstream, Proxy) {
+    let upstream = raw_upstream().await;
+    let proxy = Proxy::start(
+        &upstream.url,
+        r#"
+[[route]]
+name = "chunked"
+path = "/chunked"
+"#,
+    )
+    .await;
+    (upstream, proxy)
+}
+
 /// An upstream that answers before reading the body (here a 413) and
 /// closes with the body unread, which resets the connection while the
 /// request is still being written: its answer stands, and is recorded.
@@ -276,20 +291,8 @@ on_upstream_failure = "release"
 #[tokio::test]
 async fn http2_clients_get_no_trailers_first_time_or_on_replay() {
     use http_body_util::BodyExt;
-    let upstream = raw_upstream().await;
-    let proxy = Proxy::start(
-        &upstream.url,
-        r#"
-[[route]]
-name = "chunked"
-path = "/chunked"
-"#,
-    )
-    .await;
-    let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
-        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-            .http2_only(true)
-            .build_http();
+    let (_upstream, proxy) = chunked_route().await;
+    let client = support::h2_client();
     for replay in [false, true] {
         let request = http::Request::post(proxy.url("/chunked"))
             .header("idempotency-key", "h2-trailers")
@@ -306,16 +309,7 @@ path = "/chunked"
 
 #[tokio::test]
 async fn bodies_go_upstream_with_their_length_and_chunked_answers_are_recorded() {
-    let upstream = raw_upstream().await;
-    let proxy = Proxy::start(
-        &upstream.url,
-        r#"
-[[route]]
-name = "chunked"
-path = "/chunked"
-"#,
-    )
-    .await;
+    let (upstream, proxy) = chunked_route().await;
     let client = TestClient::default();
     let first = client.post(&proxy.url("/chunked"), "k1", r#"{"a":1}"#).await;
     assert_eq!(first.text(), "chunked");

@@ -417,6 +417,11 @@ impl TestClient {
     }
 }
 
+/// A client that speaks only HTTP/2, with prior knowledge (h2c).
+pub fn h2_client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).http2_only(true).build_http()
+}
+
 /// The real `idemgate` binary as a child process, for crash tests.
 pub struct Binary {
     pub addr: SocketAddr,
