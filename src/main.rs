@@ -244,9 +244,12 @@ fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
                     tracing::error!("reload refused, the running configuration stays: {error:#}");
                     continue;
                 }
+                // Every worker runs the same configuration, so the first
+                // refuses for all of them.
                 for reloader in &reloaders {
                     if let Err(error) = reloader.apply(config.clone()) {
-                        tracing::error!("reload refused by a worker: {error}");
+                        tracing::error!("reload refused, the running configuration stays: {error}");
+                        break;
                     }
                 }
             }

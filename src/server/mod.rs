@@ -75,9 +75,10 @@ impl Reloader {
     /// in flight finish under the configuration they started with. The
     /// listeners and the store stay as they are: changing those needs a
     /// restart, and is logged.
-    pub fn apply(&self, config: Config) -> Result<(), tls::TlsError> {
+    pub fn apply(&self, config: Config) -> Result<(), ReloadError> {
         let old = self.gateway.load();
         let before = old.config();
+        admin_stays_guarded(&before.server, &config.server)?;
         // TLS on or off, or other certificate or key files.
         let tls_files = |c: &Config| c.server.tls.as_ref().map(|t| (t.cert.clone(), t.key.clone()));
         let restart_only = [
@@ -113,6 +114,30 @@ impl Reloader {
         self.gateway.store(Arc::new(gateway));
         tracing::info!(routes, "configuration reloaded");
         Ok(())
+    }
+}
+
+/// Why a reload was refused (the running configuration stays).
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error(
+        "server.admin_token: is required while the admin listener stays on {0} (not a loopback address) until a restart: /records can purge records"
+    )]
+    AdminToken(SocketAddr),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+}
+
+/// The admin listener stays where it was bound until a restart, whatever
+/// the new file says: a token it needs there is needed by the new
+/// configuration too, or a reload could open `/records` to the network.
+fn admin_stays_guarded(
+    running: &crate::config::ServerConfig,
+    new: &crate::config::ServerConfig,
+) -> Result<(), ReloadError> {
+    match running.admin_listen {
+        Some(bound) if !bound.ip().is_loopback() && new.admin_token.is_none() => Err(ReloadError::AdminToken(bound)),
+        _ => Ok(()),
     }
 }
 
@@ -391,5 +416,30 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server(toml: &str) -> crate::config::ServerConfig {
+        let text = format!("[server]\n{toml}\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n");
+        Config::parse(&text, "t.toml").unwrap_or_else(|e| panic!("{e}")).server
+    }
+
+    #[test]
+    fn a_reload_cannot_take_the_token_off_a_public_admin_listener() {
+        let public = server("admin_listen = \"0.0.0.0:9901\"\nadmin_token = \"s3cret\"");
+        let loopback = server("admin_listen = \"127.0.0.1:9901\"");
+        // The new file moves the listener to loopback and drops the token:
+        // the listener stays public until a restart, so it is refused.
+        let refused = admin_stays_guarded(&public, &loopback);
+        assert!(matches!(refused, Err(ReloadError::AdminToken(_))), "{refused:?}");
+        assert!(refused.unwrap_err().to_string().starts_with("server.admin_token"));
+        assert!(admin_stays_guarded(&public, &public).is_ok());
+        // On loopback, or with no admin listener, no token is needed.
+        assert!(admin_stays_guarded(&loopback, &loopback).is_ok());
+        assert!(admin_stays_guarded(&server("admin_listen = \"\""), &loopback).is_ok());
     }
 }
