@@ -95,6 +95,8 @@ fn main() -> ExitCode {
 
 fn check(path: &Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
+    // What `serve` checks before it binds: the certificate, key and CA files.
+    server::check(&config).with_context(|| path.display().to_string())?;
     print!("{}", idemgate::config::describe(&config));
     println!("{}: ok", path.display());
     Ok(())
@@ -144,7 +146,7 @@ fn health(path: &Path) -> anyhow::Result<()> {
 fn serve(path: &Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     idemgate::telemetry::init();
-    server::check(&config)?;
+    server::check(&config).with_context(|| path.display().to_string())?;
     let workers = config.server.workers;
     let listeners = server::bind_listeners(config.server.listen, workers)?;
     let mut admin = match config.server.admin_listen {

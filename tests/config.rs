@@ -374,6 +374,24 @@ fn a_bad_config_exits_non_zero_before_binding_any_port() {
 }
 
 #[test]
+fn check_reads_the_certificate_files_as_serve_does() {
+    let path = temp_file(
+        "tls.toml",
+        "[server]\nlisten = \"127.0.0.1:0\"\ntls = { cert = \"/nonexistent/cert.pem\", key = \"/nonexistent/key.pem\" }\n\
+         [upstream]\nurl = \"http://127.0.0.1:1\"\n",
+    );
+    for command in ["check", "serve"] {
+        let output = idemgate(&[command, "--config", path.to_str().unwrap()]);
+        assert_eq!(output.status.code(), Some(1), "{command}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("tls.toml") && stderr.contains("/nonexistent/cert.pem"),
+            "{command}: {stderr}"
+        );
+    }
+}
+
+#[test]
 fn help_and_version() {
     let help = idemgate(&["--help"]);
     assert!(help.status.success());
