@@ -106,6 +106,34 @@ async fn a_key_reused_for_another_request_gets_422() {
     assert_eq!(upstream.hits(), 1);
 }
 
+/// A JSON body whose object names a member twice is not canonicalized
+/// (which member a backend reads is its own choice): it is fingerprinted
+/// by its bytes, so it never passes for the body with one of the two.
+#[tokio::test]
+async fn json_with_a_member_named_twice_is_fingerprinted_as_sent() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        "[[route]]\nname = \"pay\"\npath = \"/pay\"\nfingerprint = { body = \"json\" }\n",
+    )
+    .await;
+    let client = TestClient::default();
+    let url = proxy.url("/pay");
+    assert_eq!(
+        client.post(&url, "p", r#"{"amount":100}"#).await.status,
+        StatusCode::CREATED
+    );
+    // Canonical JSON still matches across spacing and member order.
+    assert!(client.post(&url, "p", r#"{ "amount" : 100 }"#).await.replayed());
+    let twice = client.post(&url, "p", r#"{"amount":1,"amount":100}"#).await;
+    assert_eq!(twice.problem(), "key-reused");
+    // The same bytes again are the same request.
+    let dup = r#"{"amount":1,"amount":100}"#;
+    assert_eq!(client.post(&url, "q", dup).await.status, StatusCode::CREATED);
+    assert!(client.post(&url, "q", dup).await.replayed());
+    assert_eq!(upstream.hits(), 2);
+}
+
 #[tokio::test]
 async fn a_key_reused_while_in_flight_gets_422_and_the_same_request_409() {
     let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(1500))).await;

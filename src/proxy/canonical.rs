@@ -11,7 +11,90 @@
 //! `1e16` and `10000000000000000`; an integer literal stays exact, so
 //! one past 2^53 that an f64 cannot hold is not the float it rounds to).
 
-use serde_json::Value;
+use std::fmt;
+
+use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
+use serde_json::{Map, Value};
+
+/// A JSON text as a value; `None` when it is not JSON, or when an object in
+/// it names a member twice. RFC 8785 canonicalizes I-JSON (RFC 7493), which
+/// has no such objects: which of the two a backend reads is its own
+/// choice, and `serde_json` keeps the last, so `{"amount":1,"amount":100}`
+/// would fingerprint (or derive a key) as `{"amount":100}` whatever the
+/// backend made of it. Such a body counts as not JSON: its raw bytes are
+/// fingerprinted.
+pub fn parse(bytes: &[u8]) -> Option<Value> {
+    let mut parser = serde_json::Deserializer::from_slice(bytes);
+    let value = Strict.deserialize(&mut parser).ok()?;
+    parser.end().ok()?;
+    Some(value)
+}
+
+/// `serde_json::Value`'s own deserialization, but for duplicate members.
+struct Strict;
+
+impl<'de> DeserializeSeed<'de> for Strict {
+    type Value = Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Value, D::Error> {
+        deserializer.deserialize_any(Strict)
+    }
+}
+
+impl<'de> Visitor<'de> for Strict {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, b: bool) -> Result<Value, E> {
+        Ok(Value::Bool(b))
+    }
+
+    fn visit_i64<E>(self, n: i64) -> Result<Value, E> {
+        Ok(Value::Number(n.into()))
+    }
+
+    fn visit_u64<E>(self, n: u64) -> Result<Value, E> {
+        Ok(Value::Number(n.into()))
+    }
+
+    fn visit_f64<E>(self, n: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(n).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Value, E> {
+        Ok(Value::String(s.to_owned()))
+    }
+
+    fn visit_string<E>(self, s: String) -> Result<Value, E> {
+        Ok(Value::String(s))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(item) = seq.next_element_seed(Strict)? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut members = Map::new();
+        while let Some(name) = map.next_key::<String>()? {
+            let value = map.next_value_seed(Strict)?;
+            if members.insert(name, value).is_some() {
+                return Err(A::Error::custom("an object names a member twice"));
+            }
+        }
+        Ok(Value::Object(members))
+    }
+}
 
 /// Writes `value` canonically into `out`.
 pub fn write(value: &Value, out: &mut Vec<u8>) {
@@ -133,6 +216,34 @@ mod tests {
 
     fn canon(text: &str) -> String {
         String::from_utf8(to_vec(&serde_json::from_str(text).unwrap())).unwrap()
+    }
+
+    #[test]
+    fn parsing_is_serde_json_but_for_members_named_twice() {
+        for text in [
+            r#"{"b":1,"a":[3,2,{"d":null,"c":true}],"s":"\u00e9\n"}"#,
+            "[1, 1.0, 1e300, -0.0, 18446744073709551615, -9223372036854775808]",
+            "1e400",
+            r#""text""#,
+            "null",
+            " {} ",
+        ] {
+            let ours = parse(text.as_bytes());
+            let theirs = serde_json::from_str::<Value>(text).ok();
+            assert_eq!(ours, theirs, "{text}");
+            assert!(ours.is_some() || text.contains("1e400"), "{text}");
+        }
+        for text in [
+            r#"{"amount":1,"amount":100}"#,
+            r#"{"a":{"x":1,"y":2,"x":1}}"#,
+            r#"[{"id":1},{"id":2,"id":2}]"#,
+            "{} x",
+            "{",
+        ] {
+            assert_eq!(parse(text.as_bytes()), None, "{text}");
+        }
+        let deep = "[".repeat(200) + &"]".repeat(200);
+        assert_eq!(parse(deep.as_bytes()), None, "nesting stays bounded");
     }
 
     #[test]

@@ -263,9 +263,7 @@ impl Gateway {
         };
         let wants_json = policy.fingerprint.body == crate::config::BodyMode::Json
             || (header_key.is_none() && policy.key.derive.iter().any(|f| matches!(f, DeriveField::Body(_))));
-        let json = wants_json
-            .then(|| serde_json::from_slice::<serde_json::Value>(&body).ok())
-            .flatten();
+        let json = wants_json.then(|| canonical::parse(&body)).flatten();
 
         // The key, derived when no header carried it.
         let key = match header_key {
