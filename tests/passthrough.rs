@@ -190,6 +190,20 @@ path = "/files/{{*rest}}"
     }
 }
 
+/// A path that spells an unreserved character as an escape is the same
+/// path (RFC 3986 §6.2.2.2): it matches its route, and is forwarded as sent.
+#[tokio::test]
+async fn escaped_unreserved_characters_do_not_take_a_request_past_its_route() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
+    let client = TestClient::default();
+    let url = proxy.url("/v1/%6Frders");
+    assert_eq!(client.post(&url, "esc", "{}").await.status, StatusCode::CREATED);
+    assert!(client.post(&url, "esc", "{}").await.replayed());
+    assert_eq!(upstream.hits(), 1);
+    assert_eq!(upstream.seen()[0].uri, "/v1/%6Frders");
+}
+
 #[tokio::test]
 async fn shadow_mode_forwards_everything_and_counts_what_enforce_would_do() {
     let upstream = Upstream::created().await;

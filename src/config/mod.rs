@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use http::{HeaderName, Method, Uri};
 
-pub use route::{PathPattern, RouteMatch};
+pub use route::{PathPattern, RouteMatch, normalize as normalize_path};
 
 /// The validated configuration.
 #[derive(Debug, Clone)]

@@ -120,6 +120,42 @@ impl PathPattern {
     }
 }
 
+/// `path` with its percent-encoded unreserved characters (letters,
+/// digits, `-`, `.`, `_`, `~`) decoded and other percent-encodings in upper
+/// case: RFC 3986 §6.2.2's normalizations, under which `/v1/%6Frders` is
+/// `/v1/orders`. Routes match, and path parameters are read, from it (a
+/// client's encoding must not take a request past its route, nor give one
+/// request two derived keys); the request goes upstream as it was sent.
+/// Borrowed, with nothing to do, when the path has no `%`.
+pub fn normalize(path: &str) -> std::borrow::Cow<'_, str> {
+    if !path.contains('%') {
+        return std::borrow::Cow::Borrowed(path);
+    }
+    let bytes = path.as_bytes();
+    let mut out = Vec::with_capacity(path.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        if bytes[i] == b'%'
+            && let (Some(&h), Some(&l)) = (bytes.get(i + 1), bytes.get(i + 2))
+            && let (Some(high), Some(low)) = (hex(h), hex(l))
+        {
+            let decoded = (high * 16 + low) as u8;
+            if decoded.is_ascii_alphanumeric() || matches!(decoded, b'-' | b'.' | b'_' | b'~') {
+                out.push(decoded);
+            } else {
+                out.extend_from_slice(&[b'%', h.to_ascii_uppercase(), l.to_ascii_uppercase()]);
+            }
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    // Only ASCII escapes were replaced, by ASCII: still UTF-8.
+    std::borrow::Cow::Owned(String::from_utf8(out).expect("escapes replaced by ASCII keep UTF-8"))
+}
+
 impl fmt::Display for PathPattern {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.source)
@@ -129,6 +165,21 @@ impl fmt::Display for PathPattern {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn paths_normalize_as_rfc_3986_says() {
+        assert!(matches!(normalize("/v1/orders"), std::borrow::Cow::Borrowed(_)));
+        assert_eq!(normalize("/v1/%6Frders"), "/v1/orders");
+        assert_eq!(normalize("/v1/%6f%72ders/%41-%2E_%7e"), "/v1/orders/A-._~");
+        // Reserved and other characters stay encoded, their hex upper case.
+        assert_eq!(normalize("/a%2fb/%20%c3%a9"), "/a%2Fb/%20%C3%A9");
+        // Not an escape: left as it is.
+        assert_eq!(normalize("/100%/%zz/%4"), "/100%/%zz/%4");
+        assert_eq!(normalize("/é/%41"), "/é/A");
+        let pattern = PathPattern::parse("/t/{id}/items").unwrap();
+        let found = pattern.matches(&normalize("/%74/%31%32/items")).unwrap();
+        assert_eq!(found.param("id"), Some("12"));
+    }
 
     #[test]
     fn exact_paths_match_only_themselves() {

@@ -201,6 +201,8 @@ impl Gateway {
                     .filter(|(_, port)| port.parse::<u16>().is_ok())
                     .map_or(h, |(host, _)| host)
             });
+        // Matched as RFC 3986 normalizes it: `/v1/%6Frders` is `/v1/orders`.
+        let path = crate::config::normalize_path(request.uri().path());
         let mut pass_to = None;
         for live in &self.routes {
             let route = &live.route;
@@ -209,7 +211,7 @@ impl Gateway {
             {
                 continue;
             }
-            let Some(params) = route.path.matches(request.uri().path()) else {
+            let Some(params) = route.path.matches(&path) else {
                 continue;
             };
             if route.accepts(request.method()) {
