@@ -132,10 +132,18 @@ async fn raw_upstream() -> RawUpstream {
     }
 }
 
+/// The raw upstream behind a proxy configured by `toml`.
+async fn behind_proxy(toml: &str) -> (RawUpstream, Proxy) {
+    let upstream = raw_upstream().await;
+    let proxy = Proxy::start(&upstream.url, toml).await;
+    (upstream, proxy)
+}
+
+const CHUNKED_ROUTE: &str = "[[route]]\nname = \"chunked\"\npath = \"/chunked\"\n";
+
 #[tokio::test]
 async fn every_framing_arrives_whole_and_connections_are_reused() {
-    let upstream = raw_upstream().await;
-    let proxy = Proxy::start(&upstream.url, "").await;
+    let (upstream, proxy) = behind_proxy("").await;
     let client = TestClient::default();
     let get = |path: &'static str| {
         let (client, url) = (client.clone(), proxy.url(path));
@@ -193,9 +201,7 @@ async fn every_framing_arrives_whole_and_connections_are_reused() {
 
 #[tokio::test]
 async fn answers_in_transfer_codings_this_hop_cannot_pass_on_are_bad_gateways() {
-    let upstream = raw_upstream().await;
-    let proxy = Proxy::start(
-        &upstream.url,
+    let (upstream, proxy) = behind_proxy(
         r#"
 [[route]]
 name = "gzip"
@@ -216,21 +222,6 @@ on_upstream_failure = "release"
         assert!(!answer.replayed());
     }
     assert_eq!(upstream.bodies.lock().unwrap().len(), 4);
-}
-
-/// The raw upstream behind a proxy with one route, on `/chunked`.
-async fn chunked_route() -> (RawUpstream, Proxy) {
-    let upstream = raw_upstream().await;
-    let proxy = Proxy::start(
-        &upstream.url,
-        r#"
-[[route]]
-name = "chunked"
-path = "/chunked"
-"#,
-    )
-    .await;
-    (upstream, proxy)
 }
 
 /// An upstream that answers before reading the body (here a 413) and
@@ -291,7 +282,7 @@ on_upstream_failure = "release"
 #[tokio::test]
 async fn http2_clients_get_no_trailers_first_time_or_on_replay() {
     use http_body_util::BodyExt;
-    let (_upstream, proxy) = chunked_route().await;
+    let (_upstream, proxy) = behind_proxy(CHUNKED_ROUTE).await;
     let client = support::h2_client();
     for replay in [false, true] {
         let request = http::Request::post(proxy.url("/chunked"))
@@ -309,7 +300,7 @@ async fn http2_clients_get_no_trailers_first_time_or_on_replay() {
 
 #[tokio::test]
 async fn bodies_go_upstream_with_their_length_and_chunked_answers_are_recorded() {
-    let (upstream, proxy) = chunked_route().await;
+    let (upstream, proxy) = behind_proxy(CHUNKED_ROUTE).await;
     let client = TestClient::default();
     let first = client.post(&proxy.url("/chunked"), "k1", r#"{"a":1}"#).await;
     assert_eq!(first.text(), "chunked");
@@ -330,9 +321,7 @@ async fn bodies_go_upstream_with_their_length_and_chunked_answers_are_recorded()
 /// upstream's hop-by-hop headers, nor any header its `Connection` names.
 #[tokio::test]
 async fn hop_by_hop_headers_of_an_answer_stay_at_the_hop() {
-    let upstream = raw_upstream().await;
-    let proxy = Proxy::start(
-        &upstream.url,
+    let (upstream, proxy) = behind_proxy(
         r#"
 [[route]]
 name = "hop"
@@ -414,8 +403,7 @@ async fn bodies_of_unknown_length_go_upstream_chunked() {
 
 #[tokio::test]
 async fn a_connection_idle_past_idle_timeout_is_not_reused() {
-    let upstream = raw_upstream().await;
-    let proxy = Proxy::start(&upstream.url, "[upstream]\nidle_timeout = \"300ms\"\n").await;
+    let (upstream, proxy) = behind_proxy("[upstream]\nidle_timeout = \"300ms\"\n").await;
     let client = TestClient::default();
     let get = || {
         let (client, url) = (client.clone(), proxy.url("/length"));

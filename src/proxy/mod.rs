@@ -336,7 +336,6 @@ impl Gateway {
                         return replay(&stored, policy);
                     }
                     Stored::Response(_) => {
-                        live.counters.count(Outcome::ShadowReplayed);
                         shadowed(live, Outcome::ShadowReplayed, Some(&record_key));
                         let request = Request::from_parts(parts, ClientBody::whole(body));
                         return Box::pin(self.forward(request, upstream, peer)).await;
@@ -433,10 +432,10 @@ impl Gateway {
         let upstream = &live.upstream;
         let pass = problem == Problem::StoreUnavailable && self.config.store.on_error == OnStoreError::Pass;
         if let Some(body) = body.filter(|_| live.route.policy.mode == Mode::Shadow || pass) {
-            let outcome = if pass { outcome } else { outcome.shadowed() };
-            live.counters.count(outcome);
-            if !pass {
-                shadowed(live, outcome, record_key);
+            if pass {
+                live.counters.count(outcome);
+            } else {
+                shadowed(live, outcome.shadowed(), record_key);
             }
             return Box::pin(self.forward(Request::from_parts(parts, body.into()), upstream, peer)).await;
         }
@@ -544,15 +543,13 @@ fn replay(stored: &StoredResponse, policy: &Policy) -> Response<ResponseBody> {
     response
 }
 
-/// Logs what enforce mode would have done with a request that shadow mode
-/// forwards: what shadow mode is for.
-fn shadowed(live: &LiveRoute, outcome: Outcome, record_key: Option<&crate::store::RecordKey>) {
-    match record_key {
-        Some(key) => {
-            tracing::info!(route = %live.route.name, outcome = outcome.name(), key = %key.tag(), "shadow mode forwarded it")
-        }
-        None => tracing::info!(route = %live.route.name, outcome = outcome.name(), "shadow mode forwarded it"),
-    }
+/// Counts and logs what enforce mode would have done with a request that
+/// shadow mode forwards: what shadow mode is for. `key`, once known, names
+/// the record.
+fn shadowed(live: &LiveRoute, outcome: Outcome, key: Option<&crate::store::RecordKey>) {
+    live.counters.count(outcome);
+    let key = key.map(|key| tracing::field::display(key.tag()));
+    tracing::info!(route = %live.route.name, outcome = outcome.name(), key, "shadow mode forwarded it");
 }
 
 fn outcome_of(problem: &Problem) -> Outcome {
