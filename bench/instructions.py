@@ -60,8 +60,7 @@ def main():
     for tool in ("valgrind", "callgrind_control", "wrk", "nginx"):
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: apt-get install valgrind wrk nginx")
-    if not os.path.exists(args.binary):
-        sys.exit(f"{args.binary} is missing: build first (cargo build --release, or python3 bench/pgo.py)")
+    bench.require_binary(args.binary)
     tmp = tempfile.mkdtemp(prefix="idemgate-instructions-")
     procs = bench.Processes()
     try:

@@ -17,6 +17,7 @@ rustc is built on (`rustc -vV` names it; on Debian bookworm with LLVM 22:
 """
 
 import argparse
+import functools
 import glob
 import hashlib
 import os
@@ -41,10 +42,14 @@ end
 """
 
 
+@functools.cache
+def rustc_version():
+    return subprocess.run(["rustc", "-vV"], capture_output=True, text=True, check=True).stdout
+
+
 def llvm_profdata():
     """The llvm-profdata that reads what this rustc's LLVM writes."""
-    version = subprocess.run(["rustc", "-vV"], capture_output=True, text=True, check=True).stdout
-    major = re.search(r"LLVM version: (\d+)", version).group(1)
+    major = re.search(r"LLVM version: (\d+)", rustc_version()).group(1)
     for tool in (f"llvm-profdata-{major}", "llvm-profdata"):
         path = shutil.which(tool)
         if path:
@@ -55,8 +60,7 @@ def llvm_profdata():
 
 
 def host():
-    version = subprocess.run(["rustc", "-vV"], capture_output=True, text=True, check=True).stdout
-    return re.search(r"host: (\S+)", version).group(1)
+    return re.search(r"host: (\S+)", rustc_version()).group(1)
 
 
 def build(target_dir, flag):

@@ -208,6 +208,11 @@ def require_tools():
             sys.exit(f"{tool} is missing: apt-get install wrk nginx redis-server")
 
 
+def require_binary(path):
+    if not os.path.exists(path):
+        sys.exit(f"{path} is missing: build first (cargo build --release, or python3 bench/pgo.py)")
+
+
 def redis_server(procs):
     """A redis-server of our own, keeping nothing on disk; returns its port."""
     port = free_port()
@@ -322,8 +327,7 @@ def main():
                                 "latency-1conn")
     args = parser.parse_args()
     require_tools()
-    if not os.path.exists(args.binary):
-        sys.exit(f"{args.binary} is missing: build first (cargo build --release, or python3 bench/pgo.py)")
+    require_binary(args.binary)
 
     tmp = tempfile.mkdtemp(prefix="idemgate-bench-")
     procs = Processes()
