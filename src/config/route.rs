@@ -133,9 +133,9 @@ pub fn normalize(path: &str) -> std::borrow::Cow<'_, str> {
     }
     let bytes = path.as_bytes();
     let mut out = Vec::with_capacity(path.len());
+    let hex = |b: u8| (b as char).to_digit(16);
     let mut i = 0;
     while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
         if bytes[i] == b'%'
             && let (Some(&h), Some(&l)) = (bytes.get(i + 1), bytes.get(i + 2))
             && let (Some(high), Some(low)) = (hex(h), hex(l))

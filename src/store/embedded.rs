@@ -33,9 +33,10 @@
 //! wall-clock deadlines in the record, so a claim of a crashed process runs
 //! out after a restart; within a run they are read against the wall clock
 //! at start moved on by the monotonic clock (see [`now_ms`]), so a step of
-//! the system clock does not cut a lease short. An expired record is ignored at once and removed by
-//! the checkpoint thread's sweep, which walks the table a batch at a time
-//! (a cursor that wraps around), so no second index is kept.
+//! the system clock does not cut a lease short. An expired record is
+//! ignored at once and removed by the checkpoint thread's sweep, which
+//! walks the table a batch at a time (a cursor that wraps around), so no
+//! second index is kept.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
