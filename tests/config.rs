@@ -267,6 +267,34 @@ fn check_output_masks_redis_passwords() {
 }
 
 #[test]
+fn check_output_reads_as_the_config_is_written() {
+    let text = "[upstream]\nurl = \"http://h:1\"\n[store]\nbackend = \"memory\"\nmax_memory = \"64MiB\"\non_error = \"pass\"\n\
+        [[route]]\nname = \"a\"\npath = \"/a\"\non_in_flight = \"wait\"\non_server_error = \"store\"\n\
+        on_upstream_failure = \"unknown\"\nmode = \"shadow\"\nmax_response_body = 1500\nfingerprint = { body = \"json\" }\n";
+    let described = idemgate::config::describe(&Config::parse(text, "x.toml").unwrap());
+    for says in [
+        "store memory (max_memory 64MiB), on_error pass",
+        "in_flight wait (wait 10s)",
+        "server_error store",
+        "upstream_failure unknown",
+        "mode shadow",
+        "fingerprint body json",
+        "max_response_body 1500",
+    ] {
+        assert!(described.contains(says), "{says:?} in {described}");
+    }
+    let text = "[upstream]\nurl = \"http://h:1\"\n[store]\npath = \"x.redb\"\n[[route]]\nname = \"a\"\npath = \"/a\"\n";
+    let described = idemgate::config::describe(&Config::parse(text, "x.toml").unwrap());
+    for says in [
+        "store embedded (path x.redb), on_error reject",
+        "body raw",
+        "max_response_body 1MiB",
+    ] {
+        assert!(described.contains(says), "{says:?} in {described}");
+    }
+}
+
+#[test]
 fn an_admin_listener_off_loopback_needs_a_token() {
     let base = "[upstream]\nurl = \"http://h:1\"\n[server]\n";
     let error = Config::parse(&format!("{base}admin_listen = \"0.0.0.0:9901\"\n"), "x.toml")

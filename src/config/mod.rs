@@ -75,7 +75,8 @@ pub enum StoreBackend {
     RedisCluster { urls: Vec<String> },
 }
 
-/// Redis URLs with their passwords masked: `idemgate check` prints this.
+/// Redis URLs with their passwords masked, so a config printed for
+/// debugging shows none.
 impl std::fmt::Debug for StoreBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -109,6 +110,24 @@ fn masked(url: &str) -> String {
 pub enum OnStoreError {
     Reject,
     Pass,
+}
+
+/// A field that takes one of a few words: each value with its spelling in
+/// the TOML, which validation reads and `idemgate check` prints.
+pub trait Choice: Copy + PartialEq + 'static {
+    const NAMES: &'static [(&'static str, Self)];
+
+    fn name(self) -> &'static str {
+        Self::NAMES
+            .iter()
+            .find(|(_, value)| *value == self)
+            .map(|(name, _)| *name)
+            .expect("every value has a name")
+    }
+}
+
+impl Choice for OnStoreError {
+    const NAMES: &'static [(&'static str, Self)] = &[("reject", Self::Reject), ("pass", Self::Pass)];
 }
 
 /// One `[[route]]` with every policy field resolved.
@@ -149,10 +168,18 @@ pub enum OnInFlight {
     Wait,
 }
 
+impl Choice for OnInFlight {
+    const NAMES: &'static [(&'static str, Self)] = &[("reject", Self::Reject), ("wait", Self::Wait)];
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnServerError {
     Release,
     Store,
+}
+
+impl Choice for OnServerError {
+    const NAMES: &'static [(&'static str, Self)] = &[("release", Self::Release), ("store", Self::Store)];
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,10 +188,18 @@ pub enum OnUpstreamFailure {
     Unknown,
 }
 
+impl Choice for OnUpstreamFailure {
+    const NAMES: &'static [(&'static str, Self)] = &[("release", Self::Release), ("unknown", Self::Unknown)];
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     Enforce,
     Shadow,
+}
+
+impl Choice for Mode {
+    const NAMES: &'static [(&'static str, Self)] = &[("enforce", Self::Enforce), ("shadow", Self::Shadow)];
 }
 
 #[derive(Debug, Clone)]
@@ -213,6 +248,10 @@ pub enum BodyMode {
     Raw,
     Json,
     None,
+}
+
+impl Choice for BodyMode {
+    const NAMES: &'static [(&'static str, Self)] = &[("raw", Self::Raw), ("json", Self::Json), ("none", Self::None)];
 }
 
 /// Everything wrong with one configuration file.
@@ -297,16 +336,40 @@ impl Route {
     }
 }
 
-/// The effective routes, one block each, as `idemgate check` prints them.
+/// `bytes` as the config would write it: in the largest unit it is a whole
+/// number of.
+fn size(bytes: u64) -> String {
+    [("GiB", 30), ("MiB", 20), ("KiB", 10)]
+        .iter()
+        .find(|&&(_, shift)| bytes != 0 && bytes.is_multiple_of(1 << shift))
+        .map_or_else(
+            || bytes.to_string(),
+            |&(unit, shift)| format!("{}{unit}", bytes >> shift),
+        )
+}
+
+/// The effective routes, one block each, as `idemgate check` prints them,
+/// in the config's own words.
 pub fn describe(config: &Config) -> String {
     use std::fmt::Write;
     let mut out = String::new();
     let d = |d: Duration| humantime::format_duration(d).to_string();
     let names = |v: &[HeaderName]| v.iter().map(|h| h.as_str()).collect::<Vec<_>>().join(", ");
+    let store = match &config.store.backend {
+        StoreBackend::Memory { max_memory } => format!("memory (max_memory {})", size(*max_memory)),
+        StoreBackend::Embedded { path } => format!("embedded (path {})", path.display()),
+        StoreBackend::Redis { url } => format!("redis (url {})", masked(url)),
+        StoreBackend::RedisCluster { urls } => {
+            let urls: Vec<String> = urls.iter().map(|u| masked(u)).collect();
+            format!("redis cluster (urls {})", urls.join(", "))
+        }
+    };
     let _ = writeln!(
         out,
-        "listen {}  upstream {}  store {:?}",
-        config.server.listen, config.upstream.url, config.store.backend
+        "listen {}  upstream {}  store {store}, on_error {}",
+        config.server.listen,
+        config.upstream.url,
+        config.store.on_error.name()
     );
     for route in &config.routes {
         let p = &route.policy;
@@ -336,20 +399,20 @@ pub fn describe(config: &Config) -> String {
         );
         let _ = writeln!(
             out,
-            "  on       in_flight {:?} (wait {})  server_error {:?}  upstream_failure {:?}  mode {:?}",
-            p.on_in_flight,
+            "  on       in_flight {} (wait {})  server_error {}  upstream_failure {}  mode {}",
+            p.on_in_flight.name(),
             d(p.wait_timeout),
-            p.on_server_error,
-            p.on_upstream_failure,
-            p.mode
+            p.on_server_error.name(),
+            p.on_upstream_failure.name(),
+            p.mode.name()
         );
         let _ = writeln!(
             out,
-            "  fingerprint body {:?} headers [{}] ignore [{}]; max_response_body {}",
-            p.fingerprint.body,
+            "  fingerprint body {} headers [{}] ignore [{}]; max_response_body {}",
+            p.fingerprint.body.name(),
             names(&p.fingerprint.headers),
             p.fingerprint.ignore.join(", "),
-            p.max_response_body
+            size(p.max_response_body)
         );
     }
     out

@@ -86,8 +86,9 @@ impl Checker {
         })
     }
 
-    fn choice<T: Copy>(&mut self, field: &str, raw: Option<&String>, default: T, options: &[(&str, T)]) -> T {
+    fn choice<T: Choice>(&mut self, field: &str, raw: Option<&String>, default: T) -> T {
         self.field(field, raw, default, |s| {
+            let options = T::NAMES;
             options
                 .iter()
                 .find(|(name, _)| name == s)
@@ -270,11 +271,6 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
             &format!("{at}.fingerprint.body"),
             fp.body.as_ref(),
             base.fingerprint.body,
-            &[
-                ("raw", BodyMode::Raw),
-                ("json", BodyMode::Json),
-                ("none", BodyMode::None),
-            ],
         ),
         ignore: c.field(
             &format!("{at}.fingerprint.ignore"),
@@ -313,27 +309,17 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
             "a shorter lease can run out while the claim is still being written, letting a second request in",
         ),
         scope: c.headers(&f("scope"), raw.scope.as_ref(), &base.scope),
-        on_in_flight: c.choice(
-            &f("on_in_flight"),
-            raw.on_in_flight.as_ref(),
-            base.on_in_flight,
-            &[("reject", OnInFlight::Reject), ("wait", OnInFlight::Wait)],
-        ),
+        on_in_flight: c.choice(&f("on_in_flight"), raw.on_in_flight.as_ref(), base.on_in_flight),
         wait_timeout: c.positive_duration(&f("wait_timeout"), raw.wait_timeout.as_ref(), base.wait_timeout),
         on_server_error: c.choice(
             &f("on_server_error"),
             raw.on_server_error.as_ref(),
             base.on_server_error,
-            &[("release", OnServerError::Release), ("store", OnServerError::Store)],
         ),
         on_upstream_failure: c.choice(
             &f("on_upstream_failure"),
             raw.on_upstream_failure.as_ref(),
             base.on_upstream_failure,
-            &[
-                ("release", OnUpstreamFailure::Release),
-                ("unknown", OnUpstreamFailure::Unknown),
-            ],
         ),
         refresh_ttl_on_replay: raw.refresh_ttl_on_replay.unwrap_or(base.refresh_ttl_on_replay),
         max_response_body: c.size(
@@ -347,12 +333,7 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
             raw.replay_drop_headers.as_ref(),
             &base.replay_drop_headers,
         ),
-        mode: c.choice(
-            &f("mode"),
-            raw.mode.as_ref(),
-            base.mode,
-            &[("enforce", Mode::Enforce), ("shadow", Mode::Shadow)],
-        ),
+        mode: c.choice(&f("mode"), raw.mode.as_ref(), base.mode),
         key,
         fingerprint,
     }
@@ -496,12 +477,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
     }
     let store = StoreConfig {
         backend,
-        on_error: c.choice(
-            "store.on_error",
-            st.on_error.as_ref(),
-            OnStoreError::Reject,
-            &[("reject", OnStoreError::Reject), ("pass", OnStoreError::Pass)],
-        ),
+        on_error: c.choice("store.on_error", st.on_error.as_ref(), OnStoreError::Reject),
         timeout: c.positive_duration("store.timeout", st.timeout.as_ref(), Duration::from_secs(1)),
     };
 
