@@ -458,3 +458,29 @@ async fn a_reload_names_the_fields_that_wait_for_a_restart() {
     }
     proxy.stop().await;
 }
+
+/// A Redis that evicts keys when full could drop an in-flight claim and let
+/// a retry through: idemgate says so for each server it is given.
+#[tokio::test]
+async fn a_redis_that_may_evict_keys_is_warned_about() {
+    let logs = captured();
+    let evicting = support::redis::RedisServer::start_with_args(&["--maxmemory-policy", "allkeys-lru"]);
+    let safe = support::redis::RedisServer::start();
+    let _stores = [&evicting, &safe]
+        .map(|server| idemgate::store::RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap());
+    let warned = |port: u16| {
+        let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+        text.lines()
+            .any(|line| line.contains(&format!("127.0.0.1:{port}")) && line.contains("maxmemory-policy"))
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !warned(evicting.port) {
+        assert!(tokio::time::Instant::now() < deadline, "no warning about allkeys-lru");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    assert!(text.contains("allkeys-lru") && text.contains(" WARN "), "{text}");
+    // The other server was asked too, by now, and is fine as it is.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!warned(safe.port), "{text}");
+}

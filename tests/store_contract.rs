@@ -555,20 +555,19 @@ async fn redis_completions_made_together_go_in_one_call_each_owner_checked() {
         assert_eq!(done.unwrap(), i % 2 == 0, "completion {i}");
     }
     let stats = server.cli(&["info", "commandstats"]).unwrap();
-    let evalsha = stats
-        .lines()
-        .find(|l| l.starts_with("cmdstat_evalsha:"))
-        .unwrap_or_default();
-    let field = |name: &str| -> u64 {
-        let value = evalsha
-            .split([':', ','])
-            .find_map(|f| f.strip_prefix(name))
-            .unwrap_or("0");
+    let field = |command: &str, name: &str| -> u64 {
+        let line = stats
+            .lines()
+            .find(|l| l.starts_with(&format!("cmdstat_{command}:")))
+            .unwrap_or_default();
+        let value = line.split([':', ',']).find_map(|f| f.strip_prefix(name)).unwrap_or("0");
         value.parse().unwrap()
     };
-    // A fresh server refuses the first EVALSHA (NOSCRIPT) until the script
-    // is loaded: one call went through.
-    assert_eq!(field("calls=") - field("failed_calls="), 1, "{stats}");
+    let ran = |command: &str| field(command, "calls=") - field(command, "failed_calls=");
+    // A fresh server refuses the first EVALSHA (NOSCRIPT), and the script
+    // is then sent whole: one call went through.
+    assert_eq!(field("evalsha", "failed_calls="), 1, "{stats}");
+    assert_eq!(ran("evalsha") + ran("eval"), 1, "{stats}");
     for (i, (k, _)) in claims.iter().enumerate() {
         match store.claim(k, &A, Owner::new(), LONG, None).await.unwrap() {
             Claim::Completed { .. } => assert_eq!(i % 2, 0, "{i} completed by a stranger"),
@@ -576,6 +575,31 @@ async fn redis_completions_made_together_go_in_one_call_each_owner_checked() {
             Claim::Claimed => panic!("{i}: the claim was lost"),
         }
     }
+}
+
+/// A node without the scripts (restarted, failed over, or new) while
+/// another node is down: the scripts go whole to the node that needs them,
+/// so its records can still be completed before their leases run out.
+#[tokio::test]
+async fn redis_cluster_scripts_reach_a_node_without_them_while_another_is_down() {
+    let mut cluster = support::redis::RedisCluster::start_with_args(&["--cluster-require-full-coverage", "no"]);
+    cluster.nodes[0].kill();
+    let store = RedisStore::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
+    // A key of a live node: a claim of one on the dead node fails.
+    let mut claimed = None;
+    for _ in 0..30 {
+        let (k, owner) = (key(), Owner::new());
+        if store.claim(&k, &A, owner, LONG, None).await.is_ok() {
+            claimed = Some((k, owner));
+            break;
+        }
+    }
+    let (k, owner) = claimed.expect("a key on one of the two live nodes");
+    assert!(store.complete(&k, &A, owner, response("x"), LONG).await.unwrap());
+    assert!(matches!(
+        store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap(),
+        Claim::Completed { .. }
+    ));
 }
 
 /// A write Redis refuses (here a TTL it cannot take) fails that completion

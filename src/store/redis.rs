@@ -7,11 +7,16 @@
 //!
 //! Every operation is one round trip. A claim is `SET ... NX PX ... GET`
 //! (Redis 7), or, when a replay must refresh the TTL in the same step or
-//! the server is older, a Lua script (`EVALSHA`, cached by SHA). Completion,
+//! the server is older, a Lua script (`EVALSHA`, cached by SHA; sent whole
+//! with `EVAL` to a server that lacks it). Completion,
 //! release and renewal are scripts that check the owner token first. On one
 //! server, completions made on a thread in one turn of its runtime share one
 //! script call (each still checked against its own owner), which saves
 //! Redis the script's fixed cost per completion.
+//!
+//! Redis must not evict keys (an evicted claim would let a retry through):
+//! the store warns about any server whose `maxmemory-policy` is not
+//! `noeviction` ([`warn_if_evicting`]).
 //!
 //! Waiting across replicas: a waiter marks the in-flight record as waited
 //! on, appending one byte to it (`APPEND` keeps its lease), in the script
@@ -34,6 +39,7 @@ use futures_util::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
+use socket2::TcpKeepalive;
 use tokio::sync::{OnceCell, oneshot};
 
 use super::codec::{self, Decoded};
@@ -57,10 +63,25 @@ const CHANNEL: &str = channel!();
 /// sent: only a dead path trips this.
 const DEAD_PATH: Duration = Duration::from_secs(5);
 
+/// An idle connection is probed after this long, then every
+/// [`PROBE_EVERY`]: the completion subscription only ever receives, so
+/// without probes a path that died quietly (a NAT or firewall that dropped
+/// its state) would leave it waiting for messages that never come, and
+/// [`DEAD_PATH`], which counts only data sent, would never trip.
+const PROBE_AFTER: Duration = Duration::from_secs(15);
+const PROBE_EVERY: Duration = Duration::from_secs(5);
+
 /// The TCP settings of every connection to Redis: those the URL would give
-/// (Nagle's algorithm left on, as before) plus [`DEAD_PATH`].
+/// (Nagle's algorithm left on, as before) plus [`DEAD_PATH`] and keepalive
+/// probes.
 fn tcp_settings() -> redis::io::tcp::TcpSettings {
-    redis::io::tcp::TcpSettings::default().set_user_timeout(DEAD_PATH)
+    let probes = TcpKeepalive::new()
+        .with_time(PROBE_AFTER)
+        .with_interval(PROBE_EVERY)
+        .with_retries(3);
+    redis::io::tcp::TcpSettings::default()
+        .set_user_timeout(DEAD_PATH)
+        .set_keepalive(probes)
 }
 
 /// A client for `url` with [`tcp_settings`].
@@ -162,28 +183,44 @@ redis.call('DEL', KEYS[1])
 if string.byte(v, 2) ~= 0 then return 1 end
 ";
 
+/// A Lua script: run by its SHA-1 (`EVALSHA`), and sent whole (`EVAL`,
+/// which also caches it) to a server that does not have it yet.
+struct Lua {
+    hash: String,
+    text: String,
+}
+
+impl Lua {
+    fn new(text: &str) -> Lua {
+        Lua {
+            hash: Script::new(text).get_hash().to_owned(),
+            text: text.to_owned(),
+        }
+    }
+}
+
 struct Scripts {
-    claim: Script,
-    complete: Script,
-    complete_many: Script,
-    release: Script,
-    renew: Script,
-    peek: Script,
-    watch: Script,
-    purge: Script,
+    claim: Lua,
+    complete: Lua,
+    complete_many: Lua,
+    release: Lua,
+    renew: Lua,
+    peek: Lua,
+    watch: Lua,
+    purge: Lua,
 }
 
 impl Scripts {
     fn new() -> Scripts {
         Scripts {
-            claim: Script::new(CLAIM),
-            complete: Script::new(&format!("{OWNED}{ANNOUNCE}{COMPLETE}")),
-            complete_many: Script::new(COMPLETE_MANY),
-            release: Script::new(&format!("{OWNED}{ANNOUNCE}{RELEASE}")),
-            renew: Script::new(&format!("{OWNED}{RENEW}")),
-            peek: Script::new(PEEK),
-            watch: Script::new(WATCH),
-            purge: Script::new(&format!("{PURGE}{ANNOUNCE}return 1\n")),
+            claim: Lua::new(CLAIM),
+            complete: Lua::new(&format!("{OWNED}{ANNOUNCE}{COMPLETE}")),
+            complete_many: Lua::new(COMPLETE_MANY),
+            release: Lua::new(&format!("{OWNED}{ANNOUNCE}{RELEASE}")),
+            renew: Lua::new(&format!("{OWNED}{RENEW}")),
+            peek: Lua::new(PEEK),
+            watch: Lua::new(WATCH),
+            purge: Lua::new(&format!("{PURGE}{ANNOUNCE}return 1\n")),
         }
     }
 }
@@ -279,6 +316,7 @@ pub struct RedisStore {
     /// server only; see [`RedisStore::complete`]).
     batches: Option<PerThread<Arc<Mutex<Vec<Completion>>>>>,
     _subscriber: AbortOnDrop,
+    _eviction_check: AbortOnDrop,
 }
 
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
@@ -335,6 +373,20 @@ fn unavailable(e: RedisError) -> StoreError {
 
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+/// `verb` (`EVALSHA` or `EVAL`) of `script` (its hash or its text) on
+/// `keys` with `args`.
+fn script_command(verb: &str, script: &str, keys: &[&[u8]], args: &[&[u8]]) -> redis::Cmd {
+    // Sized for all of it: built up from nothing, the command's buffers
+    // would be regrown (copied) several times over.
+    let data = verb.len() + script.len() + 20 + keys.iter().chain(args).map(|a| a.len()).sum::<usize>();
+    let mut command = redis::Cmd::with_capacity(3 + keys.len() + args.len(), data);
+    command.arg(verb).arg(script).arg(keys.len());
+    for arg in keys.iter().chain(args) {
+        command.arg(*arg);
+    }
+    command
 }
 
 /// The Redis key of a record, `idemgate:{<sha-256 hex>}`, built without
@@ -411,6 +463,7 @@ impl RedisStore {
     fn new(connection: Connection, subscribe_to: Vec<redis::Client>) -> RedisStore {
         let waiters = Arc::new(Waiters::default());
         let listening = Arc::new(AtomicBool::new(false));
+        let eviction_check = tokio::spawn(warn_if_evicting(subscribe_to.clone()));
         let subscriber = tokio::spawn(listen(subscribe_to, waiters.clone(), listening.clone()));
         let batches = matches!(connection, Connection::Single { .. }).then(PerThread::new);
         RedisStore {
@@ -421,6 +474,7 @@ impl RedisStore {
             native_claim: AtomicBool::new(true),
             batches,
             _subscriber: AbortOnDrop(subscriber),
+            _eviction_check: AbortOnDrop(eviction_check),
         }
     }
 
@@ -447,38 +501,32 @@ impl RedisStore {
         }
     }
 
-    /// Runs `script` on the record `key` by `EVALSHA`, loading the script
-    /// first when the server does not have it (a restart, a failover).
-    async fn eval<T: redis::FromRedisValue>(
-        &self,
-        script: &Script,
-        key: &[u8],
-        args: &[&[u8]],
-    ) -> Result<T, StoreError> {
+    /// Runs `script` on the record `key` by `EVALSHA`, or sends it whole
+    /// when the server does not have it (a restart, a failover).
+    async fn eval<T: redis::FromRedisValue>(&self, script: &Lua, key: &[u8], args: &[&[u8]]) -> Result<T, StoreError> {
         self.eval_on(script, &[key], args).await
     }
 
-    /// [`RedisStore::eval`] on several keys.
+    /// [`RedisStore::eval`] on several keys. A script the server lacks is
+    /// sent with `EVAL`, which goes where the keys do and caches it there;
+    /// `SCRIPT LOAD` would go to every node of a cluster, and fail while
+    /// any one of them is down.
     async fn eval_on<T: redis::FromRedisValue>(
         &self,
-        script: &Script,
+        script: &Lua,
         keys: &[&[u8]],
         args: &[&[u8]],
     ) -> Result<T, StoreError> {
-        // Sized for all of it: built up from nothing, the command's buffers
-        // would be regrown (copied) several times over.
-        let data =
-            "EVALSHA".len() + script.get_hash().len() + 20 + keys.iter().chain(args).map(|a| a.len()).sum::<usize>();
-        let mut command = redis::Cmd::with_capacity(3 + keys.len() + args.len(), data);
-        command.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
-        for arg in keys.iter().chain(args) {
-            command.arg(*arg);
-        }
         let mut connection = self.connection().await?;
-        match command.query_async(&mut connection).await {
+        match script_command("EVALSHA", &script.hash, keys, args)
+            .query_async(&mut connection)
+            .await
+        {
             Err(error) if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                script.load_async(&mut connection).await.map_err(unavailable)?;
-                command.query_async(&mut connection).await.map_err(unavailable)
+                script_command("EVAL", &script.text, keys, args)
+                    .query_async(&mut connection)
+                    .await
+                    .map_err(unavailable)
             }
             result => result.map_err(unavailable),
         }
@@ -489,7 +537,7 @@ impl RedisStore {
     /// claim script is used from there on.
     async fn claim_natively(&self, key: &RecordKey, claim: &[u8], lease: u64) -> Result<Option<Vec<u8>>, StoreError> {
         let redis_key = RedisKey::of(key);
-        // Sized for all of it, as in `eval_on`.
+        // Sized for all of it, as in `script_command`.
         let data = "SET".len() + redis_key.as_bytes().len() + claim.len() + "NXPXGET".len() + 20;
         let mut command = redis::Cmd::with_capacity(7, data);
         command
@@ -594,7 +642,7 @@ impl RedisStore {
 
     /// Runs `script` if `owner` holds the claim on `key`; `args` follow the
     /// owner token.
-    async fn owned(&self, script: &Script, key: &RecordKey, owner: Owner, args: &[&[u8]]) -> Result<bool, StoreError> {
+    async fn owned(&self, script: &Lua, key: &RecordKey, owner: Owner, args: &[&[u8]]) -> Result<bool, StoreError> {
         let token = codec::owner_bytes(owner);
         let mut all: [&[u8]; 3] = [&token, &[], &[]];
         all[1..=args.len()].copy_from_slice(args);
@@ -744,6 +792,58 @@ impl Store for RedisStore {
 
 /// Keeps one subscription to [`CHANNEL`] alive, trying each node in turn,
 /// and wakes the local waiters of every key announced on it.
+/// Warns, once for each server named in the config, when it may evict
+/// keys to make room: an evicted claim lets a retry reach the upstream a
+/// second time, and an evicted record forgets its answer. Redis's
+/// `maxmemory-policy` must be `noeviction` (Redis then refuses writes
+/// when full, and idemgate answers 503). Asked again every few seconds
+/// until the server answers, as it may be down when idemgate starts; a
+/// server that refuses `CONFIG` (some managed services) is only noted.
+async fn warn_if_evicting(nodes: Vec<redis::Client>) {
+    futures_util::future::join_all(nodes.into_iter().map(|node| async move {
+        let address = node.get_connection_info().addr().to_string();
+        loop {
+            let asked = async {
+                let mut connection = node.get_multiplexed_async_connection().await?;
+                redis::cmd("CONFIG")
+                    .arg("GET")
+                    .arg("maxmemory-policy")
+                    .query_async::<Vec<String>>(&mut connection)
+                    .await
+            };
+            match tokio::time::timeout(Duration::from_secs(5), asked).await {
+                Ok(Ok(reply)) => {
+                    match reply.get(1).map(String::as_str) {
+                        Some("noeviction") => {}
+                        Some(policy) => tracing::warn!(
+                            redis = %address,
+                            policy,
+                            "this Redis evicts keys when full (maxmemory-policy): an evicted claim lets a retry \
+                             reach the upstream twice, an evicted record loses its answer; set maxmemory-policy \
+                             to noeviction"
+                        ),
+                        None => tracing::info!(
+                            redis = %address,
+                            "could not read this Redis's maxmemory-policy; it must be noeviction"
+                        ),
+                    }
+                    return;
+                }
+                Ok(Err(error)) if matches!(error.kind(), redis::ErrorKind::Server(_)) => {
+                    tracing::info!(
+                        redis = %address,
+                        %error,
+                        "could not read this Redis's maxmemory-policy; it must be noeviction"
+                    );
+                    return;
+                }
+                Ok(Err(_)) | Err(_) => tokio::time::sleep(Duration::from_secs(5)).await,
+            }
+        }
+    }))
+    .await;
+}
+
 async fn listen(nodes: Vec<redis::Client>, waiters: Arc<Waiters>, listening: Arc<AtomicBool>) {
     let mut next = 0;
     loop {

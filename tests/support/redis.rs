@@ -53,6 +53,11 @@ impl RedisServer {
         RedisServer::start_with(free_port(false), &[])
     }
 
+    /// A server started with these extra `redis-server` arguments.
+    pub fn start_with_args(extra: &[&str]) -> RedisServer {
+        RedisServer::start_with(free_port(false), extra)
+    }
+
     fn start_with(port: u16, extra: &[&str]) -> RedisServer {
         let dir = std::env::temp_dir().join(format!("idemgate-redis-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -117,20 +122,25 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub fn start() -> RedisCluster {
+        RedisCluster::start_with_args(&[])
+    }
+
+    /// A cluster whose nodes get these extra `redis-server` arguments.
+    pub fn start_with_args(extra: &[&str]) -> RedisCluster {
         let nodes: Vec<RedisServer> = (0..3)
             .map(|_| {
                 let port = free_port(true);
-                RedisServer::start_with(
-                    port,
-                    &[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        &format!("nodes-{port}.conf"),
-                        "--cluster-node-timeout",
-                        "2000",
-                    ],
-                )
+                let config_file = format!("nodes-{port}.conf");
+                let mut args = vec![
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &config_file,
+                    "--cluster-node-timeout",
+                    "2000",
+                ];
+                args.extend_from_slice(extra);
+                RedisServer::start_with(port, &args)
             })
             .collect();
         let addresses: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
