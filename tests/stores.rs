@@ -316,3 +316,29 @@ async fn a_completion_the_store_did_not_take_is_retried_until_it_lands() {
     }
     assert_eq!(upstream.hits(), 1);
 }
+
+/// A record the store holds but cannot read (damaged, or written by a newer
+/// version) is not the store being down: with `on_error = "pass"` the
+/// request is still refused, as forwarding it could run it twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_record_is_refused_even_when_store_errors_pass() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start_with_store(
+        &upstream.url(),
+        &format!("[store]\non_error = \"pass\"\n{ROUTE}"),
+        redis_store(&redis.url()),
+    )
+    .await;
+    let client = TestClient::default();
+    assert_eq!(client.post(&proxy.url("/v1/orders"), "k", "{}").await.status, 201);
+    let keys = redis.cli(&["keys", "idemgate:*"]).unwrap();
+    let record = keys.lines().find(|k| k.ends_with('}')).expect("the record's key");
+    assert_eq!(redis.cli(&["set", record, "\u{7f}garbage"]).unwrap().trim(), "OK");
+    let retry = client.post(&proxy.url("/v1/orders"), "k", "{}").await;
+    assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(retry.problem(), "store-unavailable");
+    assert_eq!(upstream.hits(), 1, "not forwarded");
+    // Another key still passes the store by as configured when it is down.
+    assert_eq!(client.post(&proxy.url("/v1/orders"), "k2", "{}").await.status, 201);
+}

@@ -39,7 +39,7 @@ pub use forward::Peer;
 pub use problem::Problem;
 
 use crate::config::{Config, DeriveField, Mode, OnInFlight, OnStoreError, Policy, Route, RouteMatch};
-use crate::store::{Claim, Outcome as Stored, Owner, StoreHandle, StoredResponse};
+use crate::store::{Claim, Outcome as Stored, Owner, StoreError, StoreHandle, StoredResponse};
 use crate::telemetry::{self, Metrics, Outcome, RouteCounters};
 use exchange::Exchange;
 use upstream::UpstreamClient;
@@ -360,6 +360,14 @@ impl Gateway {
                     } else {
                         Problem::RequestInFlight
                     }
+                }
+                // The store answered, and a record it cannot read holds the
+                // key: even with on_error = "pass", forwarding could run the
+                // request twice.
+                Err(error @ StoreError::Corrupt(_)) if policy.mode == Mode::Enforce => {
+                    tracing::error!(route = %live.route.name, key = %record_key.tag(), %error, "refused: the record under this key cannot be read");
+                    live.counters.count(Outcome::StoreError);
+                    return Problem::StoreUnavailable.response();
                 }
                 Err(error) => {
                     tracing::warn!(route = %live.route.name, %error, "store claim failed");
