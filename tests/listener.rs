@@ -285,3 +285,53 @@ async fn an_idle_connection_closes_a_timeout_after_its_last_answer() {
     assert!(waited < Duration::from_millis(1000), "{waited:?}");
     assert!(rest.is_empty());
 }
+
+/// An HTTP/2 connection that opens with the preface and then sends nothing
+/// is closed, as an idle HTTP/1.1 connection is: not held forever.
+#[tokio::test]
+async fn an_http2_connection_that_goes_quiet_is_closed() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
+    let proxy = Proxy::start(&upstream.url(), "[server]\nheader_read_timeout = \"300ms\"\n").await;
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    stream.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.unwrap();
+    let mut seen = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut seen))
+        .await
+        .expect("the quiet HTTP/2 connection was left open")
+        .unwrap();
+}
+
+/// An HTTP/2 request body that stops arriving gets 400 after
+/// `header_read_timeout`, as on HTTP/1.1, instead of holding the request.
+#[tokio::test]
+async fn an_http2_request_body_that_stops_arriving_gets_400() {
+    use http_body_util::StreamBody;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+
+    let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        &format!("[server]\nheader_read_timeout = \"300ms\"\n{}", support::ORDERS),
+    )
+    .await;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<http_body::Frame<bytes::Bytes>, std::convert::Infallible>>(1);
+    tx.send(Ok(http_body::Frame::data(bytes::Bytes::from_static(b"{\"par"))))
+        .await
+        .unwrap();
+    let body = StreamBody::new(Box::pin(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|frame| (frame, rx))
+    })));
+    let client = Client::builder(TokioExecutor::new()).http2_only(true).build_http();
+    let request = http::Request::post(proxy.url("/v1/orders"))
+        .header("idempotency-key", "stalled")
+        .body(body)
+        .unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(5), client.request(request))
+        .await
+        .expect("the stalled request was held")
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    assert_eq!(upstream.hits(), 0);
+    drop(tx);
+}

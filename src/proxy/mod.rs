@@ -29,6 +29,7 @@ use http::header::HOST;
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, Uri};
 use http_body_util::{BodyExt, Limited};
+use smallvec::SmallVec;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
@@ -469,16 +470,38 @@ impl Gateway {
             return Err((Problem::BodyTooLarge { limit }, Some(RequestBody::Streaming(body))));
         }
         let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-        match Limited::new(body, limit).collect().await {
-            Ok(collected) => Ok(collected.to_bytes()),
-            Err(error) if error.is::<http_body_util::LengthLimitError>() => {
-                Err((Problem::BodyTooLarge { limit: limit as u64 }, None))
+        // Each frame within `header_read_timeout`: the HTTP/1 listener bounds
+        // its bodies so itself, but an HTTP/2 stream that stops sending
+        // would hold its request, and what it buffered, forever.
+        let idle = self.config.server.header_read_timeout;
+        let mut body = Limited::new(body, limit);
+        let mut chunks: SmallVec<[Bytes; 2]> = SmallVec::new();
+        loop {
+            let frame = match tokio::time::timeout(idle, body.frame()).await {
+                Ok(Some(frame)) => frame,
+                Ok(None) => break,
+                Err(_) => {
+                    let idle = humantime::format_duration(idle);
+                    let problem = Problem::BadRequest(format!("the request body stopped arriving for {idle}"));
+                    return Err((problem, None));
+                }
+            };
+            match frame {
+                Ok(frame) => chunks.extend(frame.into_data().ok().filter(|data| !data.is_empty())),
+                Err(error) if error.is::<http_body_util::LengthLimitError>() => {
+                    return Err((Problem::BodyTooLarge { limit: limit as u64 }, None));
+                }
+                Err(error) => {
+                    let problem = Problem::BadRequest(format!("the request body could not be read: {error}"));
+                    return Err((problem, None));
+                }
             }
-            Err(error) => Err((
-                Problem::BadRequest(format!("the request body could not be read: {error}")),
-                None,
-            )),
         }
+        Ok(match chunks.len() {
+            0 => Bytes::new(),
+            1 => chunks.swap_remove(0),
+            _ => chunks.concat().into(),
+        })
     }
 
     /// Forwards without recording: pass-through, shadow mode, store bypass.

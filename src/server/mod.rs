@@ -9,6 +9,7 @@ pub mod tls;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -294,7 +295,8 @@ impl Server {
                             Err(_) => return tracing::debug!("TLS handshake timed out"),
                         };
                         if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
-                            serve_h2(Rewind::new(Bytes::new(), stream), gateway, peer, stopping).await;
+                            let stream = Rewind::new(Bytes::new(), stream);
+                            serve_h2(stream, gateway, peer, header_read_timeout, stopping).await;
                         } else {
                             serve_connection(stream, gateway, peer, header_read_timeout, stopping).await;
                         }
@@ -339,19 +341,39 @@ async fn serve_connection<S>(
 {
     match h1::serve(stream, gateway.clone(), peer, header_read_timeout, stopping.clone()).await {
         h1::Ended::Closed => {}
-        h1::Ended::Http2(stream, read) => serve_h2(Rewind::new(read, stream), gateway, peer, stopping).await,
+        h1::Ended::Http2(stream, read) => {
+            serve_h2(Rewind::new(read, stream), gateway, peer, header_read_timeout, stopping).await;
+        }
     }
 }
 
 /// Serves an HTTP/2 connection with hyper until it ends; at shutdown it
-/// finishes the streams it has open and takes no more.
-async fn serve_h2<S>(stream: Rewind<S>, gateway: Arc<ArcSwap<Gateway>>, peer: Peer, stopping: CancellationToken)
-where
+/// finishes the streams it has open and takes no more. A connection on
+/// which no request has been open or begun for `idle` (at most twice that)
+/// is closed the same way, as HTTP/1.1 keep-alive connections are after
+/// `header_read_timeout`: hyper's HTTP/2 server never closes an idle
+/// connection, nor one that sent its preface and nothing after.
+async fn serve_h2<S>(
+    stream: Rewind<S>,
+    gateway: Arc<ArcSwap<Gateway>>,
+    peer: Peer,
+    idle: Duration,
+    stopping: CancellationToken,
+) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let service = service_fn(move |request: http::Request<hyper::body::Incoming>| {
-        let gateway = gateway.load_full();
-        async move { Ok::<_, Infallible>(gateway.handle(request.map(ClientBody::H2), peer).await) }
+    let activity = Arc::new(Activity::default());
+    let service = service_fn({
+        let activity = activity.clone();
+        move |request: http::Request<hyper::body::Incoming>| {
+            let gateway = gateway.load_full();
+            let open = Open::new(&activity);
+            async move {
+                let response = gateway.handle(request.map(ClientBody::H2), peer).await;
+                drop(open);
+                Ok::<_, Infallible>(response)
+            }
+        }
     });
     let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
@@ -363,9 +385,54 @@ where
             connection.as_mut().graceful_shutdown();
             connection.await
         }
+        () = activity.idle_for(idle) => {
+            connection.as_mut().graceful_shutdown();
+            // Bounded: a peer that does not read would hold the GOAWAY.
+            tokio::time::timeout(idle, connection).await.unwrap_or(Ok(()))
+        }
     };
     if let Err(error) = result {
         tracing::debug!(%error, "connection ended with an error");
+    }
+}
+
+/// An HTTP/2 connection's requests: how many are open, and how many have
+/// begun.
+#[derive(Default)]
+struct Activity {
+    open: AtomicUsize,
+    begun: AtomicU64,
+}
+
+impl Activity {
+    /// Returns once a whole `period` has passed with no request open or begun.
+    async fn idle_for(&self, period: Duration) {
+        let mut seen = self.begun.load(Ordering::Relaxed);
+        loop {
+            tokio::time::sleep(period).await;
+            let begun = self.begun.load(Ordering::Relaxed);
+            if begun == seen && self.open.load(Ordering::Relaxed) == 0 {
+                return;
+            }
+            seen = begun;
+        }
+    }
+}
+
+/// A request open on an HTTP/2 connection, until dropped.
+struct Open(Arc<Activity>);
+
+impl Open {
+    fn new(activity: &Arc<Activity>) -> Open {
+        activity.open.fetch_add(1, Ordering::Relaxed);
+        activity.begun.fetch_add(1, Ordering::Relaxed);
+        Open(activity.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
