@@ -335,3 +335,21 @@ async fn an_http2_request_body_that_stops_arriving_gets_400() {
     assert_eq!(upstream.hits(), 0);
     drop(tx);
 }
+
+/// A malformed body on a request passed through is the client's fault:
+/// 400, not a 502 that blames the upstream.
+#[tokio::test]
+async fn a_broken_body_passed_through_is_400_not_502() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let seen = until_close(
+        &mut stream,
+        b"POST /elsewhere HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+    )
+    .await;
+    assert!(
+        seen.starts_with("HTTP/1.1 400") && seen.contains("bad-request"),
+        "{seen}"
+    );
+}

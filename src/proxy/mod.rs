@@ -526,6 +526,12 @@ impl Gateway {
                     },
                 )
             }
+            // The client's fault, not the upstream's: a body that broke off,
+            // was malformed or stopped arriving (the connection is dropped).
+            Ok(Err(upstream::UpstreamError::RequestBody(error))) => {
+                tracing::debug!(%error, "the request body failed while it was forwarded");
+                Problem::BadRequest(format!("the request body could not be read: {error}")).response()
+            }
             Ok(Err(error)) => {
                 tracing::warn!(error = %crate::telemetry::error_chain(&error), "upstream request failed");
                 let detail = if error.is_connect() {
