@@ -290,3 +290,44 @@ async fn a_client_that_never_finishes_its_head_is_cut_off() {
     assert!(started.elapsed() >= Duration::from_millis(250));
     assert_eq!(upstream.hits(), 0);
 }
+
+/// An absolute-form target's host wins over the Host header (RFC 9112
+/// §3.2.2): for the route's host match and for X-Forwarded-Host.
+#[tokio::test]
+async fn an_absolute_form_target_is_routed_by_its_own_host() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        "[[route]]\nname = \"pay\"\npath = \"/v1/orders\"\nhost = \"pay.example.com\"\n",
+    )
+    .await;
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    stream
+        .write_all(
+            b"POST http://pay.example.com/v1/orders HTTP/1.1\r\nhost: other.example.com\r\ncontent-length: 2\r\n\r\n{}",
+        )
+        .await
+        .unwrap();
+    let mut response = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&response).contains("\r\n\r\n") {
+        let n = stream.read(&mut buf).await.unwrap();
+        assert!(n > 0, "{}", String::from_utf8_lossy(&response));
+        response.extend_from_slice(&buf[..n]);
+    }
+    // The route applies: without a key, its default `required` refuses it.
+    let response = String::from_utf8_lossy(&response);
+    assert!(response.starts_with("HTTP/1.1 400"), "{response}");
+    assert!(response.contains("application/problem+json"), "{response}");
+    assert_eq!(upstream.hits(), 0);
+    // Passed through (no route on this path), the target's host is forwarded.
+    stream
+        .write_all(b"GET http://pay.example.com/elsewhere HTTP/1.1\r\nhost: other.example.com\r\n\r\n")
+        .await
+        .unwrap();
+    while upstream.hits() < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let seen = &upstream.seen()[0].headers;
+    assert_eq!(seen.get("x-forwarded-host").unwrap(), "pay.example.com");
+}

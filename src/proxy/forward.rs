@@ -65,13 +65,15 @@ pub struct Peer {
 /// Points `request` at `upstream` and rewrites its headers for the hop.
 pub fn prepare(request: &mut Request<ClientBody>, upstream: &Uri, peer: Peer) {
     // The Host of the upstream, as nginx's default `proxy_set_header Host
-    // $proxy_host`; the client's Host travels in X-Forwarded-Host.
-    let original_host = request.headers_mut().remove(header::HOST).or_else(|| {
-        request
-            .uri()
-            .authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-    });
+    // $proxy_host`; the client's travels in X-Forwarded-Host: the target's
+    // own authority when it has one (absolute-form, HTTP/2's :authority),
+    // which wins over Host (RFC 9112 §3.2.2), else Host.
+    let sent_host = request.headers_mut().remove(header::HOST);
+    let original_host = request
+        .uri()
+        .authority()
+        .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        .or(sent_host);
     let path = request
         .uri()
         .path_and_query()

@@ -192,16 +192,16 @@ impl Gateway {
     }
 
     fn route_for(&self, request: &Request<ClientBody>) -> Routed<'_> {
-        let host = request
-            .headers()
-            .get(HOST)
-            .and_then(|h| h.to_str().ok())
-            .or_else(|| request.uri().host())
-            .map(|h| {
-                h.rsplit_once(':')
+        // The target's own host when it has one (absolute-form, HTTP/2's
+        // :authority), which RFC 9112 §3.2.2 says wins over Host.
+        let host = request.uri().host().or_else(|| {
+            let host = request.headers().get(HOST)?.to_str().ok()?;
+            Some(
+                host.rsplit_once(':')
                     .filter(|(_, port)| port.parse::<u16>().is_ok())
-                    .map_or(h, |(host, _)| host)
-            });
+                    .map_or(host, |(host, _)| host),
+            )
+        });
         // Matched as RFC 3986 normalizes it: `/v1/%6Frders` is `/v1/orders`.
         let path = crate::config::normalize_path(request.uri().path());
         let mut pass_to = None;
