@@ -76,8 +76,10 @@ impl Reloader {
     /// in flight finish under the configuration they started with. The
     /// listeners and the store stay as they are: changing those needs a
     /// restart, and is logged.
-    pub fn apply(&self, config: Config) -> Result<(), ReloadError> {
+    pub fn apply(&self, mut config: Config) -> Result<(), ReloadError> {
         let old = self.gateway.load();
+        // Always the values in force since the start: each reload carries
+        // them forward (below).
         let before = old.config();
         admin_stays_guarded(&before.server, &config.server)?;
         // TLS on or off, or other certificate or key files.
@@ -105,6 +107,18 @@ impl Reloader {
                 );
             }
         }
+        // What takes a restart keeps its running value in the configuration
+        // applied, so the next reload is compared with what is bound (an
+        // admin listener moved back to loopback in the file is still where
+        // it was bound, and still needs its token), and no part of the
+        // process reads a value the rest does not use yet.
+        config.server.listen = before.server.listen;
+        config.server.admin_listen = before.server.admin_listen;
+        config.server.tls = before.server.tls.clone();
+        config.server.header_read_timeout = before.server.header_read_timeout;
+        config.server.workers = before.server.workers;
+        config.store.backend = before.store.backend.clone();
+        config.store.timeout = before.store.timeout;
         let gateway = Gateway::new(
             Arc::new(config),
             old.store().clone(),
@@ -508,5 +522,40 @@ mod tests {
         // On loopback, or with no admin listener, no token is needed.
         assert!(admin_stays_guarded(&loopback, &loopback).is_ok());
         assert!(admin_stays_guarded(&server("admin_listen = \"\""), &loopback).is_ok());
+    }
+
+    /// Two reloads cannot do what one may not: each is compared with what
+    /// is bound, not with the file before it.
+    #[tokio::test]
+    async fn a_reload_is_compared_with_what_is_bound_not_with_the_last_file() {
+        let config = |toml: &str| {
+            let text = format!("[server]\n{toml}\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n");
+            Config::parse(&text, "t.toml").unwrap_or_else(|e| panic!("{e}"))
+        };
+        let running =
+            config("admin_listen = \"0.0.0.0:9901\"\nadmin_token = \"s3cret\"\nheader_read_timeout = \"10s\"");
+        let store = StoreHandle::new(
+            Arc::new(crate::store::MemoryStore::new(1 << 20)),
+            Duration::from_secs(1),
+        );
+        let metrics = Arc::new(Metrics::default());
+        let gateway = Gateway::new(Arc::new(running), store, metrics.clone(), TaskTracker::new()).unwrap();
+        let reloader = Reloader {
+            gateway: Arc::new(ArcSwap::from_pointee(gateway)),
+            metrics,
+            exchanges: TaskTracker::new(),
+        };
+        // The file moves the listener to loopback and keeps the token:
+        // applied, but the listener is still where it was bound.
+        let moved = "admin_listen = \"127.0.0.1:9901\"\nheader_read_timeout = \"1s\"";
+        reloader
+            .apply(config(&format!("{moved}\nadmin_token = \"s3cret\"")))
+            .unwrap();
+        let applied = reloader.gateway.load().config().clone();
+        assert_eq!(applied.server.admin_listen, Some("0.0.0.0:9901".parse().unwrap()));
+        assert_eq!(applied.server.header_read_timeout, Duration::from_secs(10));
+        // Dropping the token next is refused: the listener is still public.
+        let refused = reloader.apply(config(moved));
+        assert!(matches!(refused, Err(ReloadError::AdminToken(_))), "{refused:?}");
     }
 }
