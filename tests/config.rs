@@ -428,3 +428,50 @@ fn help_and_version() {
     let version = idemgate(&["--version"]);
     assert!(String::from_utf8_lossy(&version.stdout).contains(env!("CARGO_PKG_VERSION")));
 }
+
+#[test]
+fn a_store_field_of_another_backend_is_an_error() {
+    let base = "[upstream]\nurl = \"http://h:1\"\n[store]\n";
+    for (store, field) in [
+        // Without `backend = "redis"`, each replica would run on a file of its own.
+        ("url = \"redis://127.0.0.1:6379/0\"", "store.url"),
+        ("urls = [\"redis://127.0.0.1:7000\"]", "store.urls"),
+        ("backend = \"embedded\"\nmax_memory = \"64MiB\"", "store.max_memory"),
+        ("backend = \"memory\"\npath = \"x.redb\"", "store.path"),
+    ] {
+        let error = Config::parse(&format!("{base}{store}\n"), "x.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains(field) && error.contains("set backend"),
+            "{store}: {error}"
+        );
+    }
+}
+
+#[test]
+fn config_errors_never_repeat_a_secret() {
+    for text in [
+        "[upstream]\nurl = \"http://h:1\"\n[store]\nbackend = \"redis\"\nurls = \"redis://:hunter2@r:6379\"\n",
+        "[upstream]\nurl = \"http://h:1\"\n[server]\nadmin_token = 8675309\n",
+        "[upstream]\nurl = \"http://app:hunter2@127.0.0.1:3000\"\n",
+    ] {
+        let error = Config::parse(text, "x.toml").unwrap_err().to_string();
+        assert!(!error.contains("hunter2") && !error.contains("8675309"), "{error}");
+        assert!(
+            error.contains("invalid type") || error.contains("upstream.url"),
+            "{error}"
+        );
+    }
+}
+
+#[test]
+fn a_route_name_with_a_control_character_is_refused() {
+    let error = Config::parse(
+        "[upstream]\nurl = \"http://h:1\"\n[[route]]\nname = \"a\\nb\"\npath = \"/a\"\n",
+        "x.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("route[0].name") && error.contains("control"), "{error}");
+}

@@ -312,9 +312,12 @@ impl Config {
                     let before = &text[..span.start.min(text.len())];
                     let line = before.matches('\n').count() + 1;
                     let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
-                    format!("line {line}, column {column}: {}", e.message().trim_end())
+                    format!(
+                        "line {line}, column {column}: {}",
+                        without_value(e.message().trim_end())
+                    )
                 }
-                None => e.message().trim_end().to_string(),
+                None => without_value(e.message().trim_end()),
             },
         })?;
         validate::validate(raw).map_err(|problems| ConfigError::Invalid {
@@ -334,6 +337,20 @@ impl Route {
     pub fn accepts(&self, method: &Method) -> bool {
         self.policy.methods.contains(method)
     }
+}
+
+/// A parser's message without the value it quotes: ``invalid type: string
+/// "redis://:pw@..."`, expected a sequence`` would put a password or token
+/// into the error (and, on a reload, the log).
+fn without_value(message: &str) -> String {
+    for prefix in ["invalid type: ", "invalid value: "] {
+        if let Some(rest) = message.strip_prefix(prefix) {
+            let kind = rest.split([' ', ',']).next().unwrap_or("");
+            let expected = rest.rfind(", expected").map_or("", |at| &rest[at..]);
+            return format!("{prefix}{kind}{expected}");
+        }
+    }
+    message.to_string()
 }
 
 /// `bytes` as the config would write it: in the largest unit it is a whole

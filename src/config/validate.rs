@@ -137,6 +137,12 @@ fn header_name(s: &str) -> Result<HeaderName, String> {
 }
 
 fn upstream_url(s: &str) -> Result<Uri, String> {
+    // Checked first, and the URL not repeated: it would carry the password
+    // into the message (and, were it accepted, into the Host header).
+    let authority = s.split_once("://").map_or(s, |(_, rest)| rest).split('/').next();
+    if authority.is_some_and(|a| a.contains('@')) {
+        return Err("must not hold a user or password (user@host): the upstream would get it as its Host".into());
+    }
     let uri: Uri = s.parse().map_err(|e| format!("`{s}` is not a URL ({e})"))?;
     match uri.scheme_str() {
         Some("http") | Some("https") => {}
@@ -460,6 +466,22 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             StoreBackend::Memory { max_memory: 0 }
         }
     };
+    // A field of another backend is a mistake, not a no-op: `url` without
+    // `backend = "redis"` would run each replica on a file of its own.
+    let defaulted = if st.backend.is_none() { " (the default)" } else { "" };
+    for (field, set, of) in [
+        ("store.path", st.path.is_some(), "embedded"),
+        ("store.url", st.url.is_some(), "redis"),
+        ("store.urls", st.urls.is_some(), "redis"),
+        ("store.max_memory", st.max_memory.is_some(), "memory"),
+    ] {
+        if set && backend_name != of && matches!(backend_name, "memory" | "embedded" | "redis") {
+            c.problem(
+                field,
+                format!("is for backend = \"{of}\", and backend is \"{backend_name}\"{defaulted}: set backend = \"{of}\" or remove it"),
+            );
+        }
+    }
     // What would otherwise fail only when the store opens, after the ports
     // are bound.
     match &backend {
@@ -489,6 +511,11 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             c.problem(&format!("{at}.{field}"), "unknown field");
         }
         let name = match &r.name {
+            // Names go into metric labels and log lines as they are.
+            Some(n) if n.chars().any(char::is_control) => {
+                c.problem(&format!("{at}.name"), "must not hold control characters");
+                String::new()
+            }
             Some(n) if !n.trim().is_empty() => n.clone(),
             _ => {
                 c.problem(&format!("{at}.name"), "is required and must not be empty");
