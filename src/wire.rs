@@ -15,6 +15,9 @@ pub const MAX_HEAD: usize = 64 * 1024;
 /// The most header fields a head may have.
 pub const MAX_HEADERS: usize = 128;
 
+/// The longest chunk-size line (size and extensions, without its CRLF).
+const MAX_SIZE_LINE: usize = 1024;
+
 /// Where a chunked body is.
 pub enum Chunked {
     Size,
@@ -32,8 +35,15 @@ pub fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Fram
     loop {
         match state {
             Chunked::Size => {
-                let Some(end) = line_end(buf) else {
-                    return if buf.len() > 1024 { Err(bad()) } else { Ok(None) };
+                // A size line (extensions and all) of at most 1 KiB, whole or
+                // not: each chunk's data is a slice of the read buffer, so a
+                // long line before each one-byte chunk would have every byte
+                // of body hold a buffer's worth of memory.
+                let end = match line_end(buf) {
+                    Some(end) if end <= MAX_SIZE_LINE => end,
+                    Some(_) => return Err(bad()),
+                    None if buf.len() > MAX_SIZE_LINE => return Err(bad()),
+                    None => return Ok(None),
                 };
                 let size = chunk_size(&buf[..end]).ok_or_else(bad)?;
                 buf.advance(end + 2);
@@ -515,6 +525,21 @@ mod tests {
         let (data, _, done) = chunks(b"5\r\nhel");
         assert_eq!(data, b"hel");
         assert!(!done);
+    }
+
+    #[test]
+    fn a_chunk_size_line_is_bounded_whole_or_not() {
+        let line = |ext: usize| format!("1;{}\r\nx\r\n0\r\n\r\n", "a".repeat(ext));
+        let (data, _, done) = chunks(line(MAX_SIZE_LINE - 2).as_bytes());
+        assert_eq!((data.as_slice(), done), (&b"x"[..], true));
+        // Whole, with its CRLF in the buffer, and one byte too long.
+        let mut state = Chunked::Size;
+        let mut buf = BytesMut::from(line(MAX_SIZE_LINE - 1).as_bytes());
+        assert!(next_chunk(&mut state, &mut buf).is_err());
+        // Not yet whole, and already too long.
+        let mut state = Chunked::Size;
+        let mut buf = BytesMut::from(&line(2 * MAX_SIZE_LINE).as_bytes()[..MAX_SIZE_LINE + 1]);
+        assert!(next_chunk(&mut state, &mut buf).is_err());
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body::{Body, Frame};
@@ -35,6 +35,9 @@ use tracing::Instrument;
 
 /// Frames buffered between the exchange task and the client connection.
 const CHANNEL_FRAMES: usize = 16;
+/// The most frames of a body taken at once, as they arrived with its head,
+/// to answer it whole.
+const EARLY_FRAMES: usize = 16;
 
 /// Everything the claimed exchange needs, owned, so it can outlive the
 /// client's connection.
@@ -280,9 +283,12 @@ async fn lost(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, o
 }
 
 /// Collects the response for the record, up to `max_response_body` bytes.
+/// A streamed body's bytes, copied as they pass: a frame is a slice of the
+/// upstream's read buffer, and keeping the slices would keep whole buffers
+/// alive for a few bytes each (an answer of one-byte chunks would hold
+/// many times `max_response_body`).
 struct Recorder {
-    chunks: Vec<Bytes>,
-    len: usize,
+    body: BytesMut,
     limit: usize,
     over_limit: bool,
 }
@@ -290,8 +296,7 @@ struct Recorder {
 impl Recorder {
     fn new(limit: usize) -> Recorder {
         Recorder {
-            chunks: Vec::new(),
-            len: 0,
+            body: BytesMut::new(),
             limit,
             over_limit: false,
         }
@@ -301,12 +306,11 @@ impl Recorder {
         if self.over_limit {
             return;
         }
-        self.len += data.len();
-        if self.len > self.limit {
+        if self.body.len() + data.len() > self.limit {
             self.over_limit = true;
-            self.chunks = Vec::new();
+            self.body = BytesMut::new();
         } else {
-            self.chunks.push(data.clone());
+            self.body.extend_from_slice(data);
         }
     }
 }
@@ -471,7 +475,9 @@ impl Exchange {
         let mut early_len = 0;
         let mut whole = body.is_end_stream();
         let mut yielded = false;
-        while !whole && early_len <= limit {
+        // At most a few frames: each is a slice of the read buffer (see
+        // `Recorder`); a body in more is streamed.
+        while !whole && early_len <= limit && early.len() < EARLY_FRAMES {
             match body.frame().now_or_never() {
                 // The body may be a moment behind the head on the socket:
                 // give the runtime one turn to see it, then stream what is
@@ -563,7 +569,7 @@ impl Exchange {
         } = relay;
         let outcome = headers.map(|headers| {
             let headers: SmallVec<[_; 16]> = headers.iter().map(|(name, value)| (name, value)).collect();
-            kept(recorder.over_limit, status, &headers, &recorder.chunks)
+            kept(recorder.over_limit, status, &headers, &[recorder.body.freeze()])
         });
         settle(guard, policy, outcome).await;
         if let Some(tx) = client {
@@ -666,6 +672,19 @@ fn abort(client: Option<BodySender>, why: &'static str) {
 mod tests {
     use super::*;
     use crate::store::MemoryStore;
+
+    #[test]
+    fn a_recorded_frame_keeps_no_part_of_the_read_buffer() {
+        let buffer = Bytes::from(vec![7u8; 16 << 10]);
+        let mut recorder = Recorder::new(1 << 20);
+        for at in 0..4 {
+            recorder.push(&buffer.slice(at..at + 1));
+        }
+        assert!(buffer.is_unique(), "a frame's slice was kept");
+        assert_eq!(&recorder.body[..], &[7u8; 4]);
+        recorder.push(&Bytes::from(vec![0u8; 1 << 20]));
+        assert!(recorder.over_limit && recorder.body.is_empty());
+    }
 
     #[tokio::test]
     async fn a_completion_found_already_made_is_told_from_a_lost_lease() {

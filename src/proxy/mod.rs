@@ -22,14 +22,13 @@ mod upstream;
 
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
 use futures_util::future::Either;
 use http::header::HOST;
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, Uri};
 use http_body_util::{BodyExt, Limited};
-use smallvec::SmallVec;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
@@ -475,7 +474,11 @@ impl Gateway {
         // would hold its request, and what it buffered, forever.
         let idle = self.config.server.header_read_timeout;
         let mut body = Limited::new(body, limit);
-        let mut chunks: SmallVec<[Bytes; 2]> = SmallVec::new();
+        // The first frame as it came; later ones copied together, as a
+        // frame is a slice of the listener's read buffer and keeping many
+        // would keep many buffers (see `exchange::Recorder`).
+        let mut first: Option<Bytes> = None;
+        let mut rest = BytesMut::new();
         loop {
             let frame = match tokio::time::timeout(idle, body.frame()).await {
                 Ok(Some(frame)) => frame,
@@ -487,7 +490,17 @@ impl Gateway {
                 }
             };
             match frame {
-                Ok(frame) => chunks.extend(frame.into_data().ok().filter(|data| !data.is_empty())),
+                Ok(frame) => match frame.into_data() {
+                    Ok(data) if data.is_empty() => {}
+                    Ok(data) if first.is_none() && rest.is_empty() => first = Some(data),
+                    Ok(data) => {
+                        if let Some(first) = first.take() {
+                            rest.extend_from_slice(&first);
+                        }
+                        rest.extend_from_slice(&data);
+                    }
+                    Err(_) => {}
+                },
                 Err(error) if error.is::<http_body_util::LengthLimitError>() => {
                     return Err((Problem::BodyTooLarge { limit: limit as u64 }, None));
                 }
@@ -497,11 +510,7 @@ impl Gateway {
                 }
             }
         }
-        Ok(match chunks.len() {
-            0 => Bytes::new(),
-            1 => chunks.swap_remove(0),
-            _ => chunks.concat().into(),
-        })
+        Ok(first.unwrap_or_else(|| rest.freeze()))
     }
 
     /// Forwards without recording: pass-through, shadow mode, store bypass.
