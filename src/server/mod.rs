@@ -107,6 +107,10 @@ impl Reloader {
                 );
             }
         }
+        if config.server.tls.is_some() && tls_files(&config) == tls_files(before) {
+            // The files may have been renewed in place: say what a reload does.
+            tracing::info!("server.tls: the certificate and key were read at start; a renewed one takes a restart");
+        }
         // What takes a restart keeps its running value in the configuration
         // applied, so the next reload is compared with what is bound (an
         // admin listener moved back to loopback in the file is still where
