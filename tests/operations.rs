@@ -272,10 +272,12 @@ async fn operators_look_up_and_purge_records_behind_a_token() {
         )
         .await;
 
-    assert_eq!(
-        client.send("GET", &admin, &[], "").await.status,
-        StatusCode::UNAUTHORIZED
-    );
+    // Refusals are problem documents, as every error idemgate makes.
+    let denied = client.send("GET", &admin, &[], "").await;
+    assert_eq!(denied.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(denied.problem(), "unauthorized");
+    let nowhere = format!("http://{}/nowhere", proxy.admin.unwrap());
+    assert_eq!(client.send("GET", &nowhere, &[], "").await.problem(), "not-found");
     let wrong = client
         .send("GET", &admin, &[("authorization", "Bearer s3creT")], "")
         .await;

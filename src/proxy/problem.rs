@@ -143,22 +143,32 @@ impl Problem {
 
     /// The `application/problem+json` response.
     pub fn response(&self) -> Response<ResponseBody> {
-        let status = self.status();
-        let doc = serde_json::json!({
-            "type": format!("urn:idemgate:problem:{}", self.slug()),
-            "title": self.title(),
-            "status": status.as_u16(),
-            "detail": self.detail(),
-        });
-        let mut response = Response::new(ResponseBody::full(Bytes::from(doc.to_string())));
-        *response.status_mut() = status;
-        let headers = response.headers_mut();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        let mut response = document(self.status(), self.slug(), self.title(), &self.detail());
         if matches!(self, Problem::RequestInFlight | Problem::StoreUnavailable) {
-            headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
+            response
+                .headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
     }
+}
+
+/// An RFC 9457 `application/problem+json` response, its `type`
+/// `urn:idemgate:problem:<slug>`: the proxy's problems, and the admin
+/// listener's.
+pub fn document(status: StatusCode, slug: &str, title: &str, detail: &str) -> Response<ResponseBody> {
+    let doc = serde_json::json!({
+        "type": format!("urn:idemgate:problem:{slug}"),
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    let mut response = Response::new(ResponseBody::full(Bytes::from(doc.to_string())));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    response
 }
 
 #[cfg(test)]

@@ -64,32 +64,39 @@ fn text(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) 
 
 const PLAIN: &str = "text/plain; charset=utf-8";
 
+/// An admin error, as `application/problem+json` like every error idemgate
+/// makes; its title is the status's reason.
+fn problem(status: StatusCode, slug: &str, detail: &str) -> Response<ResponseBody> {
+    crate::proxy::problem::document(status, slug, status.canonical_reason().unwrap_or(""), detail)
+}
+
+fn store_unavailable(error: &crate::store::StoreError) -> Response<ResponseBody> {
+    let detail = format!("the idempotency store cannot be reached: {error}");
+    problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", &detail)
+}
+
 async fn answer(request: Request<Incoming>, gateway: &Gateway, metrics: &Metrics) -> Response<ResponseBody> {
     if request.uri().path() == "/records" {
         return records(&request, gateway).await;
     }
     if request.method() != Method::GET && request.method() != Method::HEAD {
-        return text(StatusCode::METHOD_NOT_ALLOWED, PLAIN, "GET only\n");
+        return problem(StatusCode::METHOD_NOT_ALLOWED, "method-not-allowed", "GET only");
     }
     match request.uri().path() {
         "/healthz" => text(StatusCode::OK, PLAIN, "ok\n"),
         "/readyz" => match gateway.store().ping().await {
             Ok(()) => text(StatusCode::OK, PLAIN, "ready\n"),
-            Err(error) => text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                PLAIN,
-                format!("store unavailable: {error}\n"),
-            ),
+            Err(error) => store_unavailable(&error),
         },
         "/metrics" => text(
             StatusCode::OK,
             "text/plain; version=0.0.4; charset=utf-8",
             metrics.render(gateway.store().stored_bytes()),
         ),
-        _ => text(
+        _ => problem(
             StatusCode::NOT_FOUND,
-            PLAIN,
-            "not found: try /healthz, /readyz or /metrics\n",
+            "not-found",
+            "no such page: try /healthz, /readyz, /metrics or /records",
         ),
     }
 }
@@ -114,7 +121,11 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
                 .fold(0, |acc, (a, b)| acc | (a ^ b))
                 == 0;
         if !same {
-            return text(StatusCode::UNAUTHORIZED, PLAIN, "a bearer token is required\n");
+            return problem(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "/records needs the admin token: Authorization: Bearer <server.admin_token>",
+            );
         }
     }
     let (mut route, mut key, mut scope) = (None, None, Vec::new());
@@ -127,14 +138,14 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
         }
     }
     let (Some(route), Some(key)) = (route, key) else {
-        return text(
+        return problem(
             StatusCode::BAD_REQUEST,
-            PLAIN,
-            "give route= and key= (and scope= per scope header)\n",
+            "bad-request",
+            "give route= and key= (and scope= per scope header)",
         );
     };
     let Some(record_key) = gateway.record_key(&route, &scope, &key) else {
-        return text(StatusCode::NOT_FOUND, PLAIN, "no such route\n");
+        return problem(StatusCode::NOT_FOUND, "not-found", "no route has this name");
     };
     let store = gateway.store();
     match *request.method() {
@@ -164,11 +175,7 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
                     }),
                 )
             }
-            Err(error) => text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                PLAIN,
-                format!("store unavailable: {error}\n"),
-            ),
+            Err(error) => store_unavailable(&error),
         },
         Method::DELETE => match store.purge(&record_key).await {
             Ok(purged) => {
@@ -181,13 +188,9 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
                     serde_json::json!({ "record": record_key.tag().as_str(), "purged": purged }),
                 )
             }
-            Err(error) => text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                PLAIN,
-                format!("store unavailable: {error}\n"),
-            ),
+            Err(error) => store_unavailable(&error),
         },
-        _ => text(StatusCode::METHOD_NOT_ALLOWED, PLAIN, "GET or DELETE\n"),
+        _ => problem(StatusCode::METHOD_NOT_ALLOWED, "method-not-allowed", "GET or DELETE"),
     }
 }
 
