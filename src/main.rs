@@ -261,18 +261,49 @@ fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
     let _ = (path, reloaders, hangups);
 }
 
-/// Resolves on SIGTERM or Ctrl-C.
+/// Resolves on SIGTERM or Ctrl-C. A second one, during the drain, ends the
+/// process at once (exit status 1): exchanges still running keep their
+/// claims until their leases end, as after a crash.
 async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+    let mut signals = Signals::new();
+    signals.recv().await;
+    tokio::spawn(async move {
+        signals.recv().await;
+        tracing::warn!("a second signal: exiting without waiting for the drain");
+        std::process::exit(1);
+    });
+}
+
+/// SIGTERM and Ctrl-C, taken for as long as this lives: one that comes
+/// between two waits is not lost.
+struct Signals {
     #[cfg(unix)]
-    {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> Signals {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Signals {
+                term: signal(SignalKind::terminate()).expect("SIGTERM handler"),
+                interrupt: signal(SignalKind::interrupt()).expect("SIGINT handler"),
+            }
         }
+        #[cfg(not(unix))]
+        Signals {}
     }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
+
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.interrupt.recv() => {}
+        }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

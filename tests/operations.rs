@@ -486,3 +486,29 @@ async fn a_redis_that_may_evict_keys_is_warned_about() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!warned(safe.port), "{text}");
 }
+
+/// A second SIGTERM during the drain ends the process at once, instead of
+/// leaving the operator to wait out `shutdown_grace` or reach for SIGKILL.
+#[tokio::test]
+async fn a_second_sigterm_ends_the_drain_at_once() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_secs(30))).await;
+    let mut gate = Binary::start(
+        &upstream.url(),
+        "[server]\nshutdown_grace = \"60s\"\n[store]\nbackend = \"memory\"\n[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n",
+    )
+    .await;
+    let client = TestClient::default();
+    tokio::spawn({
+        let (client, url) = (client.clone(), gate.url("/v1/orders"));
+        async move { client.post(&url, "slow", "").await }
+    });
+    while upstream.hits() < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    gate.signal("TERM");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(gate.wait(Duration::ZERO).is_none(), "the first signal drains");
+    gate.signal("TERM");
+    let status = gate.wait(Duration::from_secs(5)).expect("the second signal ends it");
+    assert_eq!(status.code(), Some(1));
+}
