@@ -97,8 +97,9 @@ fn check(path: &Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     // What `serve` checks before it binds: the certificate, key and CA files.
     server::check(&config).with_context(|| path.display().to_string())?;
-    print!("{}", idemgate::config::describe(&config));
-    println!("{}: ok", path.display());
+    let text = format!("{}{}: ok\n", idemgate::config::describe(&config), path.display());
+    // Not print!, which panics when the reader has gone (`check | head`).
+    let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
     Ok(())
 }
 

@@ -475,3 +475,13 @@ fn a_route_name_with_a_control_character_is_refused() {
     .to_string();
     assert!(error.contains("route[0].name") && error.contains("control"), "{error}");
 }
+
+#[test]
+fn a_bad_size_says_what_a_size_is() {
+    for value in ["-1", "1.5", "true"] {
+        let text = format!("[upstream]\nurl = \"http://h:1\"\n[server]\nmax_request_body = {value}\n");
+        let error = Config::parse(&text, "x.toml").unwrap_err().to_string();
+        assert!(error.contains("expected a size"), "{value}: {error}");
+        assert!(!error.contains("untagged"), "{error}");
+    }
+}

@@ -345,7 +345,7 @@ impl Route {
 fn without_value(message: &str) -> String {
     for prefix in ["invalid type: ", "invalid value: "] {
         if let Some(rest) = message.strip_prefix(prefix) {
-            let kind = rest.split([' ', ',']).next().unwrap_or("");
+            let kind = rest.split(['`', '"', ',']).next().unwrap_or("").trim_end();
             let expected = rest.rfind(", expected").map_or("", |at| &rest[at..]);
             return format!("{prefix}{kind}{expected}");
         }

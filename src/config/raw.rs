@@ -66,11 +66,40 @@ pub struct RawStore {
 }
 
 /// A size: a plain integer of bytes or a string such as `"64KiB"`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum RawSize {
     Bytes(u64),
     Text(String),
+}
+
+/// By hand rather than `untagged`, whose error names neither: "data did
+/// not match any variant of untagged enum RawSize".
+impl<'de> Deserialize<'de> for RawSize {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<RawSize, D::Error> {
+        struct Size;
+        impl serde::de::Visitor<'_> for Size {
+            type Value = RawSize;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a size: a whole number of bytes, or a string such as \"64KiB\"")
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, bytes: u64) -> Result<RawSize, E> {
+                Ok(RawSize::Bytes(bytes))
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, bytes: i64) -> Result<RawSize, E> {
+                u64::try_from(bytes)
+                    .map(RawSize::Bytes)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(bytes), &self))
+            }
+
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<RawSize, E> {
+                Ok(RawSize::Text(text.to_owned()))
+            }
+        }
+        deserializer.deserialize_any(Size)
+    }
 }
 
 /// The policy fields shared by `[defaults]` and every `[[route]]`.
