@@ -334,6 +334,59 @@ async fn an_http2_request_body_that_stops_arriving_gets_400() {
     assert_eq!(response.status(), 400);
     assert_eq!(upstream.hits(), 0);
     drop(tx);
+
+    // Passed through, streamed to the upstream as it comes: 400 too, not
+    // the upstream's timeout.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<http_body::Frame<bytes::Bytes>, std::convert::Infallible>>(1);
+    tx.send(Ok(http_body::Frame::data(bytes::Bytes::from_static(b"par"))))
+        .await
+        .unwrap();
+    let body = StreamBody::new(Box::pin(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|frame| (frame, rx))
+    })));
+    let client = Client::builder(TokioExecutor::new()).http2_only(true).build_http();
+    let request = http::Request::post(proxy.url("/elsewhere"))
+        .header("content-length", "100")
+        .body(body)
+        .unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(5), client.request(request))
+        .await
+        .expect("the stalled pass-through request was held")
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    drop(tx);
+}
+
+/// An HTTP/2 answer that takes longer than the idle bound to stream is
+/// not cut: its stream counts as open until its last byte is sent.
+#[tokio::test]
+async fn a_long_http2_answer_outlives_the_idle_bound() {
+    let upstream = Upstream::start(|_, _| Reply::Answer {
+        delay: Duration::ZERO,
+        status: http::StatusCode::OK,
+        headers: vec![],
+        chunks: (0..8).map(|i| bytes::Bytes::from(format!("part{i};"))).collect(),
+        gap: Duration::from_millis(150),
+    })
+    .await;
+    let proxy = Proxy::start(&upstream.url(), "[server]\nheader_read_timeout = \"200ms\"\n").await;
+    let response = support::h2_client()
+        .request(
+            http::Request::get(proxy.url("/slow"))
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    use http_body_util::BodyExt;
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("the whole answer")
+        .to_bytes();
+    assert_eq!(body, "part0;part1;part2;part3;part4;part5;part6;part7;");
 }
 
 /// A malformed body on a request passed through is the client's fault:

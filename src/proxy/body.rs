@@ -5,6 +5,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
@@ -26,8 +27,21 @@ pub enum ClientBody {
     /// (see [`ClientBody::feed`]).
     Fed(Box<Fed>),
     /// The body of an HTTP/2 stream.
-    H2(Incoming),
+    H2(Box<H2Body>),
 }
+
+/// An HTTP/2 stream's body, each frame due within `idle` of the last, as
+/// the HTTP/1.1 listener bounds its bodies: hyper waits for a stalled
+/// stream forever.
+pub struct H2Body {
+    incoming: Incoming,
+    idle: Duration,
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the request body stopped arriving for {}", humantime::format_duration(*.0))]
+pub struct BodyStalled(Duration);
 
 /// What the listener sends into a fed body: data, `None` at the end, or
 /// the error that ends it.
@@ -55,6 +69,15 @@ pub struct Feed {
 pub struct BodyBrokeOff;
 
 impl ClientBody {
+    /// An HTTP/2 stream's body, each frame due within `idle`.
+    pub fn h2(incoming: Incoming, idle: Duration) -> ClientBody {
+        ClientBody::H2(Box::new(H2Body {
+            incoming,
+            idle,
+            timer: None,
+        }))
+    }
+
     pub fn whole(bytes: Bytes) -> ClientBody {
         ClientBody::Whole(Some(bytes).filter(|b| !b.is_empty()))
     }
@@ -93,7 +116,18 @@ impl Body for ClientBody {
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
             ClientBody::Whole(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-            ClientBody::H2(incoming) => Pin::new(incoming).poll_frame(cx).map_err(Into::into),
+            ClientBody::H2(h2) => match Pin::new(&mut h2.incoming).poll_frame(cx) {
+                Poll::Ready(frame) => {
+                    h2.timer = None;
+                    Poll::Ready(frame.map(|frame| frame.map_err(Into::into)))
+                }
+                Poll::Pending => {
+                    let idle = h2.idle;
+                    let timer = h2.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
+                    ready!(timer.as_mut().poll(cx));
+                    Poll::Ready(Some(Err(BodyStalled(idle).into())))
+                }
+            },
             ClientBody::Fed(fed) => {
                 if fed.ended {
                     return Poll::Ready(None);
@@ -130,7 +164,7 @@ impl Body for ClientBody {
     fn is_end_stream(&self) -> bool {
         match self {
             ClientBody::Whole(bytes) => bytes.is_none(),
-            ClientBody::H2(incoming) => incoming.is_end_stream(),
+            ClientBody::H2(h2) => h2.incoming.is_end_stream(),
             ClientBody::Fed(fed) => fed.ended,
         }
     }
@@ -138,7 +172,7 @@ impl Body for ClientBody {
     fn size_hint(&self) -> SizeHint {
         match self {
             ClientBody::Whole(bytes) => SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64)),
-            ClientBody::H2(incoming) => incoming.size_hint(),
+            ClientBody::H2(h2) => h2.incoming.size_hint(),
             ClientBody::Fed(fed) if fed.ended => SizeHint::with_exact(0),
             ClientBody::Fed(fed) => fed.left.map_or_else(SizeHint::default, SizeHint::with_exact),
         }

@@ -469,26 +469,15 @@ impl Gateway {
             return Err((Problem::BodyTooLarge { limit }, Some(RequestBody::Streaming(body))));
         }
         let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-        // Each frame within `header_read_timeout`: the HTTP/1 listener bounds
-        // its bodies so itself, but an HTTP/2 stream that stops sending
-        // would hold its request, and what it buffered, forever.
-        let idle = self.config.server.header_read_timeout;
+        // No deadline here: each kind of body bounds the wait for its next
+        // frame itself (`header_read_timeout`).
         let mut body = Limited::new(body, limit);
         // The first frame as it came; later ones copied together, as a
         // frame is a slice of the listener's read buffer and keeping many
         // would keep many buffers (see `exchange::Recorder`).
         let mut first: Option<Bytes> = None;
         let mut rest = BytesMut::new();
-        loop {
-            let frame = match tokio::time::timeout(idle, body.frame()).await {
-                Ok(Some(frame)) => frame,
-                Ok(None) => break,
-                Err(_) => {
-                    let idle = humantime::format_duration(idle);
-                    let problem = Problem::BadRequest(format!("the request body stopped arriving for {idle}"));
-                    return Err((problem, None));
-                }
-            };
+        while let Some(frame) = body.frame().await {
             match frame {
                 Ok(frame) => match frame.into_data() {
                     Ok(data) if data.is_empty() => {}

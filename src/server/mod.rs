@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::proxy::{ClientBody, Gateway, Peer};
+use crate::proxy::{BoxError, ClientBody, Gateway, Peer, ResponseBody};
 use crate::store::StoreHandle;
 use crate::telemetry::Metrics;
 
@@ -367,10 +367,11 @@ async fn serve_connection<S>(
 
 /// Serves an HTTP/2 connection with hyper until it ends; at shutdown it
 /// finishes the streams it has open and takes no more. A connection on
-/// which no request has been open or begun for `idle` (at most twice that)
-/// is closed the same way, as HTTP/1.1 keep-alive connections are after
-/// `header_read_timeout`: hyper's HTTP/2 server never closes an idle
-/// connection, nor one that sent its preface and nothing after.
+/// which no request has been open (its answer not yet all sent) or begun
+/// for `idle` (at most twice that) is closed the same way, as HTTP/1.1
+/// keep-alive connections are after `header_read_timeout`: hyper's HTTP/2
+/// server never closes an idle connection, nor one that sent its preface
+/// and nothing after. Request bodies get `idle` per frame likewise.
 async fn serve_h2<S>(
     stream: Rewind<S>,
     gateway: Arc<ArcSwap<Gateway>>,
@@ -387,9 +388,10 @@ async fn serve_h2<S>(
             let gateway = gateway.load_full();
             let open = Open::new(&activity);
             async move {
-                let response = gateway.handle(request.map(ClientBody::H2), peer).await;
-                drop(open);
-                Ok::<_, Infallible>(response)
+                let request = request.map(|body| ClientBody::h2(body, idle));
+                let response = gateway.handle(request, peer).await;
+                // Open until its body has been sent (or dropped).
+                Ok::<_, Infallible>(response.map(|body| Tracked { body, _open: open }))
             }
         }
     });
@@ -434,6 +436,32 @@ impl Activity {
             }
             seen = begun;
         }
+    }
+}
+
+/// A response body that keeps its request counted as open.
+struct Tracked {
+    body: ResponseBody,
+    _open: Open,
+}
+
+impl http_body::Body for Tracked {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.get_mut().body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
     }
 }
 
