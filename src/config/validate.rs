@@ -466,19 +466,16 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             StoreBackend::Memory { max_memory: 0 }
         }
     };
-    // A field of another backend is a mistake, not a no-op: `url` without
-    // `backend = "redis"` would run each replica on a file of its own.
+    // Redis's fields under another backend are a mistake, not a no-op:
+    // `url` without `backend = "redis"` would run each replica on a store
+    // of its own. (`path` and `max_memory` may stay beside another
+    // backend, as SPEC's own sample has them.)
     let defaulted = if st.backend.is_none() { " (the default)" } else { "" };
-    for (field, set, of) in [
-        ("store.path", st.path.is_some(), "embedded"),
-        ("store.url", st.url.is_some(), "redis"),
-        ("store.urls", st.urls.is_some(), "redis"),
-        ("store.max_memory", st.max_memory.is_some(), "memory"),
-    ] {
-        if set && backend_name != of && matches!(backend_name, "memory" | "embedded" | "redis") {
+    for (field, set) in [("store.url", st.url.is_some()), ("store.urls", st.urls.is_some())] {
+        if set && matches!(backend_name, "memory" | "embedded") {
             c.problem(
                 field,
-                format!("is for backend = \"{of}\", and backend is \"{backend_name}\"{defaulted}: set backend = \"{of}\" or remove it"),
+                format!("is for backend = \"redis\", and backend is \"{backend_name}\"{defaulted}: set backend = \"redis\" or remove it"),
             );
         }
     }
