@@ -22,6 +22,11 @@ fn script(path: &str) -> (&'static [u8], bool) {
             b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3;x=y\r\nchu\r\n4\r\nnked\r\n0\r\nx-sum: 7\r\n\r\n",
             false,
         ),
+        // More chunks at once than are taken with the head: streamed.
+        "/many-chunks" => (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n1\r\nb\r\n1\r\nc\r\n1\r\nd\r\n1\r\ne\r\n1\r\nf\r\n1\r\ng\r\n1\r\nh\r\n1\r\ni\r\n1\r\nj\r\n1\r\nk\r\n1\r\nl\r\n1\r\nm\r\n1\r\nn\r\n1\r\no\r\n1\r\np\r\n1\r\nq\r\n1\r\nr\r\n1\r\ns\r\n1\r\nt\r\n0\r\n\r\n",
+            false,
+        ),
         "/until-close" => (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil close", true),
         "/interim" => (
             b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 7\r\n\r\ninterim",
@@ -315,6 +320,19 @@ async fn bodies_go_upstream_with_their_length_and_chunked_answers_are_recorded()
     );
     let bodies = upstream.bodies.lock().unwrap().clone();
     assert_eq!(bodies, vec![br#"{"a":1}"#.to_vec(), big.into_bytes()]);
+}
+
+/// An answer in more frames than are taken at once with its head is
+/// streamed, every byte of it, and recorded whole.
+#[tokio::test]
+async fn an_answer_in_many_chunks_is_streamed_and_recorded_whole() {
+    let (_upstream, proxy) = behind_proxy("[[route]]\nname = \"many\"\npath = \"/many-chunks\"\n").await;
+    let client = TestClient::default();
+    let first = client.post(&proxy.url("/many-chunks"), "k", "{}").await;
+    assert_eq!(first.text(), "abcdefghijklmnopqrst");
+    let replay = client.post(&proxy.url("/many-chunks"), "k", "{}").await;
+    assert!(replay.replayed());
+    assert_eq!(replay.text(), "abcdefghijklmnopqrst");
 }
 
 /// The answer the client gets, and the one replayed, carry none of the

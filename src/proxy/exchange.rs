@@ -294,9 +294,12 @@ struct Recorder {
 }
 
 impl Recorder {
-    fn new(limit: usize) -> Recorder {
+    /// Room for `expected` bytes (the declared length), up to `limit`, so a
+    /// body of known length is copied once.
+    fn new(limit: usize, expected: u64) -> Recorder {
+        let room = usize::try_from(expected).unwrap_or(usize::MAX).min(limit);
         Recorder {
-            body: BytesMut::new(),
+            body: BytesMut::with_capacity(room),
             limit,
             over_limit: false,
         }
@@ -527,7 +530,8 @@ impl Exchange {
             kept.map(|(name, value)| (name.clone(), value.clone())).collect()
         });
         // An answer that is not kept is recorded by a recorder that keeps nothing.
-        let recorder = Recorder::new(if keep { limit } else { 0 });
+        let expected = early_len as u64 + body.size_hint().lower();
+        let recorder = Recorder::new(if keep { limit } else { 0 }, expected);
         let (tx, body_to_client) = ResponseBody::channel(CHANNEL_FRAMES);
         let client = reply.send(Response::from_parts(head, body_to_client)).ok().map(|_| tx);
         let mut relay = Relay {
@@ -676,7 +680,7 @@ mod tests {
     #[test]
     fn a_recorded_frame_keeps_no_part_of_the_read_buffer() {
         let buffer = Bytes::from(vec![7u8; 16 << 10]);
-        let mut recorder = Recorder::new(1 << 20);
+        let mut recorder = Recorder::new(1 << 20, 0);
         for at in 0..4 {
             recorder.push(&buffer.slice(at..at + 1));
         }

@@ -72,7 +72,8 @@ pub fn prepare(request: &mut Request<ClientBody>, upstream: &Uri, peer: Peer) {
     let original_host = request
         .uri()
         .authority()
-        .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        // host[:port]: never a user or password the target named.
+        .and_then(|a| HeaderValue::from_str(a.as_str().rsplit('@').next().unwrap_or_default()).ok())
         .or(sent_host);
     let path = request
         .uri()

@@ -790,8 +790,6 @@ impl Store for RedisStore {
     }
 }
 
-/// Keeps one subscription to [`CHANNEL`] alive, trying each node in turn,
-/// and wakes the local waiters of every key announced on it.
 /// Warns, once for each server named in the config, when it may evict
 /// keys to make room: an evicted claim lets a retry reach the upstream a
 /// second time, and an evicted record forgets its answer. Redis's
@@ -829,7 +827,11 @@ async fn warn_if_evicting(nodes: Vec<redis::Client>) {
                     }
                     return;
                 }
-                Ok(Err(error)) if matches!(error.kind(), redis::ErrorKind::Server(_)) => {
+                // A server still loading its data answers soon; any other
+                // refusal (CONFIG disabled) is final.
+                Ok(Err(error))
+                    if matches!(error.kind(), redis::ErrorKind::Server(kind) if kind != redis::ServerErrorKind::BusyLoading) =>
+                {
                     tracing::info!(
                         redis = %address,
                         %error,
@@ -844,6 +846,8 @@ async fn warn_if_evicting(nodes: Vec<redis::Client>) {
     .await;
 }
 
+/// Keeps one subscription to [`CHANNEL`] alive, trying each node in turn,
+/// and wakes the local waiters of every key announced on it.
 async fn listen(nodes: Vec<redis::Client>, waiters: Arc<Waiters>, listening: Arc<AtomicBool>) {
     let mut next = 0;
     loop {
