@@ -406,3 +406,40 @@ async fn a_broken_body_passed_through_is_400_not_502() {
         "{seen}"
     );
 }
+
+/// An HTTP/2 client that takes nothing of its answer (its flow-control
+/// window shut) does not hold the connection and the upstream forever, as
+/// an HTTP/1.1 client that stops reading does not.
+#[tokio::test]
+async fn an_http2_client_that_takes_nothing_is_let_go() {
+    use http_body_util::BodyExt;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+
+    let big = "x".repeat(200_000);
+    let upstream = Upstream::start(move |_, _| Reply::status(200, &big)).await;
+    let proxy = Proxy::start(&upstream.url(), "[server]\nheader_read_timeout = \"300ms\"\n").await;
+    let client = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .http2_initial_stream_window_size(1024)
+        .http2_initial_connection_window_size(1024)
+        .build_http();
+    let response = client
+        .request(
+            http::Request::get(proxy.url("/big"))
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    // Not read for three idle periods: the proxy gives up on it.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let read = tokio::time::timeout(Duration::from_secs(5), response.into_body().collect())
+        .await
+        .expect("reading ends");
+    assert!(
+        read.is_err(),
+        "the whole answer was kept for a client that took none of it"
+    );
+}

@@ -371,7 +371,8 @@ async fn serve_connection<S>(
 /// for `idle` (at most twice that) is closed the same way, as HTTP/1.1
 /// keep-alive connections are after `header_read_timeout`: hyper's HTTP/2
 /// server never closes an idle connection, nor one that sent its preface
-/// and nothing after. Request bodies get `idle` per frame likewise.
+/// and nothing after. So is one whose open answers all wait, for as long,
+/// on a client that takes nothing. Request bodies get `idle` per frame.
 async fn serve_h2<S>(
     stream: Rewind<S>,
     gateway: Arc<ArcSwap<Gateway>>,
@@ -391,7 +392,7 @@ async fn serve_h2<S>(
                 let request = request.map(|body| ClientBody::h2(body, idle));
                 let response = gateway.handle(request, peer).await;
                 // Open until its body has been sent (or dropped).
-                Ok::<_, Infallible>(response.map(|body| Tracked { body, _open: open }))
+                Ok::<_, Infallible>(response.map(|body| Tracked::new(body, open)))
             }
         }
     });
@@ -416,33 +417,66 @@ async fn serve_h2<S>(
     }
 }
 
-/// An HTTP/2 connection's requests: how many are open, and how many have
-/// begun.
+/// An HTTP/2 connection's requests: how many are open, how many have
+/// begun, how often their answers' bodies were polled, and how many of
+/// those have handed hyper a frame it has not taken yet.
 #[derive(Default)]
 struct Activity {
     open: AtomicUsize,
     begun: AtomicU64,
+    polls: AtomicU64,
+    handed: AtomicUsize,
 }
 
 impl Activity {
-    /// Returns once a whole `period` has passed with no request open or begun.
+    /// Returns once a whole `period` has passed with no request begun and
+    /// none open, or every open one stuck on a frame the client does not
+    /// take (its flow-control window shut): as the HTTP/1.1 listener gives
+    /// up on a client that stops reading.
     async fn idle_for(&self, period: Duration) {
-        let mut seen = self.begun.load(Ordering::Relaxed);
+        let moved = || (self.begun.load(Ordering::Relaxed), self.polls.load(Ordering::Relaxed));
+        let mut seen = moved();
         loop {
             tokio::time::sleep(period).await;
-            let begun = self.begun.load(Ordering::Relaxed);
-            if begun == seen && self.open.load(Ordering::Relaxed) == 0 {
+            let now = moved();
+            let open = self.open.load(Ordering::Relaxed);
+            if now == seen && (open == 0 || open == self.handed.load(Ordering::Relaxed)) {
                 return;
             }
-            seen = begun;
+            seen = now;
         }
     }
 }
 
-/// A response body that keeps its request counted as open.
+/// A response body that keeps its request counted as open, and says when
+/// it has handed hyper a frame not yet taken (hyper polls the body again
+/// only once it has sent the last one).
 struct Tracked {
     body: ResponseBody,
-    _open: Open,
+    open: Open,
+    handed: bool,
+}
+
+impl Tracked {
+    fn new(body: ResponseBody, open: Open) -> Tracked {
+        Tracked {
+            body,
+            open,
+            handed: false,
+        }
+    }
+
+    fn taken(&mut self) {
+        if std::mem::take(&mut self.handed) {
+            self.open.0.handed.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.taken();
+    }
 }
 
 impl http_body::Body for Tracked {
@@ -453,7 +487,15 @@ impl http_body::Body for Tracked {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.get_mut().body).poll_frame(cx)
+        let this = self.get_mut();
+        this.taken();
+        this.open.0.polls.fetch_add(1, Ordering::Relaxed);
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(_))) = &polled {
+            this.handed = true;
+            this.open.0.handed.fetch_add(1, Ordering::Relaxed);
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
