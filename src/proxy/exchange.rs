@@ -294,14 +294,16 @@ struct Recorder {
 }
 
 impl Recorder {
-    /// Room for `expected` bytes (the declared length), up to `limit`, so a
-    /// body of known length is copied once.
+    /// Room for `expected` bytes (at least the body's declared length), so
+    /// a body of known length is copied once; one declared past `limit` is
+    /// not kept from the start.
     fn new(limit: usize, expected: u64) -> Recorder {
-        let room = usize::try_from(expected).unwrap_or(usize::MAX).min(limit);
+        let expected = usize::try_from(expected).unwrap_or(usize::MAX);
+        let over_limit = expected > limit;
         Recorder {
-            body: BytesMut::with_capacity(room),
+            body: BytesMut::with_capacity(if over_limit { 0 } else { expected }),
             limit,
-            over_limit: false,
+            over_limit,
         }
     }
 
@@ -688,6 +690,9 @@ mod tests {
         assert_eq!(&recorder.body[..], &[7u8; 4]);
         recorder.push(&Bytes::from(vec![0u8; 1 << 20]));
         assert!(recorder.over_limit && recorder.body.is_empty());
+        // Declared past the limit: nothing reserved, nothing kept.
+        let declared = Recorder::new(1 << 20, 2 << 20);
+        assert!(declared.over_limit && declared.body.capacity() == 0);
     }
 
     #[tokio::test]

@@ -827,10 +827,16 @@ async fn warn_if_evicting(nodes: Vec<redis::Client>) {
                     }
                     return;
                 }
-                // A server still loading its data answers soon; any other
-                // refusal (CONFIG disabled) is final.
+                // A server still loading its data, or a cluster settling,
+                // answers soon; any other refusal (CONFIG disabled) is final.
                 Ok(Err(error))
-                    if matches!(error.kind(), redis::ErrorKind::Server(kind) if kind != redis::ServerErrorKind::BusyLoading) =>
+                    if matches!(error.kind(), redis::ErrorKind::Server(kind) if !matches!(
+                        kind,
+                        redis::ServerErrorKind::BusyLoading
+                            | redis::ServerErrorKind::MasterDown
+                            | redis::ServerErrorKind::TryAgain
+                            | redis::ServerErrorKind::ClusterDown
+                    )) =>
                 {
                     tracing::info!(
                         redis = %address,
