@@ -398,6 +398,11 @@ async fn serve_h2<S>(
     });
     let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
+        // Room on the connection for a few streams' windows (1 MiB each):
+        // with hyper's default, the same 1 MiB, one request body left
+        // unread upstream would stall every other stream's body, which
+        // `idle` would then end as stalled.
+        .initial_connection_window_size(H2_CONNECTION_WINDOW)
         .serve_connection(TokioIo::new(stream), service);
     tokio::pin!(connection);
     let result = tokio::select! {
@@ -416,6 +421,9 @@ async fn serve_h2<S>(
         tracing::debug!(%error, "connection ended with an error");
     }
 }
+
+/// The HTTP/2 connection-level flow-control window: four streams' worth.
+const H2_CONNECTION_WINDOW: u32 = 4 << 20;
 
 /// An HTTP/2 connection's requests: how many are open, how many have
 /// begun, how often their answers' bodies were polled, and how many of
