@@ -305,17 +305,30 @@ async fn an_http2_connection_that_goes_quiet_is_closed() {
 /// `header_read_timeout`, as on HTTP/1.1, instead of holding the request.
 #[tokio::test]
 async fn an_http2_request_body_that_stops_arriving_gets_400() {
-    use http_body_util::StreamBody;
-    use hyper_util::client::legacy::Client;
-    use hyper_util::rt::TokioExecutor;
-
     let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
     let proxy = Proxy::start(
         &upstream.url(),
         &format!("[server]\nheader_read_timeout = \"300ms\"\n{}", support::ORDERS),
     )
     .await;
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<http_body::Frame<bytes::Bytes>, std::convert::Infallible>>(1);
+    let buffered = stalled_h2_post(&proxy.url("/v1/orders"), ("idempotency-key", "stalled")).await;
+    assert_eq!(buffered, 400);
+    assert_eq!(upstream.hits(), 0);
+    // Passed through, streamed to the upstream as it comes: 400 too, not
+    // the upstream's timeout.
+    let streamed = stalled_h2_post(&proxy.url("/elsewhere"), ("content-length", "100")).await;
+    assert_eq!(streamed, 400);
+}
+
+/// The status of an HTTP/2 POST to `url` whose body sends a few bytes and
+/// then nothing more (the stream left open), answered within 5 s.
+async fn stalled_h2_post(url: &str, header: (&str, &str)) -> u16 {
+    use http_body_util::StreamBody;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+
+    type Item = Result<http_body::Frame<bytes::Bytes>, std::convert::Infallible>;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Item>(1);
     tx.send(Ok(http_body::Frame::data(bytes::Bytes::from_static(b"{\"par"))))
         .await
         .unwrap();
@@ -323,38 +336,13 @@ async fn an_http2_request_body_that_stops_arriving_gets_400() {
         rx.recv().await.map(|frame| (frame, rx))
     })));
     let client = Client::builder(TokioExecutor::new()).http2_only(true).build_http();
-    let request = http::Request::post(proxy.url("/v1/orders"))
-        .header("idempotency-key", "stalled")
-        .body(body)
-        .unwrap();
+    let request = http::Request::post(url).header(header.0, header.1).body(body).unwrap();
     let response = tokio::time::timeout(Duration::from_secs(5), client.request(request))
         .await
         .expect("the stalled request was held")
         .unwrap();
-    assert_eq!(response.status(), 400);
-    assert_eq!(upstream.hits(), 0);
     drop(tx);
-
-    // Passed through, streamed to the upstream as it comes: 400 too, not
-    // the upstream's timeout.
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<http_body::Frame<bytes::Bytes>, std::convert::Infallible>>(1);
-    tx.send(Ok(http_body::Frame::data(bytes::Bytes::from_static(b"par"))))
-        .await
-        .unwrap();
-    let body = StreamBody::new(Box::pin(futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|frame| (frame, rx))
-    })));
-    let client = Client::builder(TokioExecutor::new()).http2_only(true).build_http();
-    let request = http::Request::post(proxy.url("/elsewhere"))
-        .header("content-length", "100")
-        .body(body)
-        .unwrap();
-    let response = tokio::time::timeout(Duration::from_secs(5), client.request(request))
-        .await
-        .expect("the stalled pass-through request was held")
-        .unwrap();
-    assert_eq!(response.status(), 400);
-    drop(tx);
+    response.status().as_u16()
 }
 
 /// An HTTP/2 answer that takes longer than the idle bound to stream is
@@ -442,4 +430,55 @@ async fn an_http2_client_that_takes_nothing_is_let_go() {
         read.is_err(),
         "the whole answer was kept for a client that took none of it"
     );
+}
+
+/// A client that reads a large answer slowly is still written to: the
+/// idle bound does not cut it, even once the whole answer is with hyper.
+#[tokio::test]
+async fn a_slow_http2_reader_gets_its_whole_answer() {
+    use http_body_util::BodyExt;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+
+    let big = "y".repeat(200_000);
+    let upstream = Upstream::start({
+        let big = big.clone();
+        move |_, _| Reply::status(200, &big)
+    })
+    .await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        &format!("[server]\nheader_read_timeout = \"300ms\"\n{}", support::ORDERS),
+    )
+    .await;
+    let client = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .http2_initial_stream_window_size(16 << 10)
+        .http2_initial_connection_window_size(16 << 10)
+        .build_http();
+    let post = || {
+        http::Request::post(proxy.url("/v1/orders"))
+            .header("idempotency-key", "slow")
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap()
+    };
+    client
+        .request(post())
+        .await
+        .unwrap()
+        .into_body()
+        .collect()
+        .await
+        .unwrap();
+    // The replay: one whole frame, handed to hyper at once, then read at
+    // 16 KiB per 100 ms, about 1.3 s: longer than the idle bound thrice.
+    let replay = client.request(post()).await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let mut body = replay.into_body();
+    let mut got = 0;
+    while let Some(frame) = body.frame().await {
+        got += frame.expect("the answer was cut").into_data().map_or(0, |d| d.len());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(got, big.len());
 }

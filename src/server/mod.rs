@@ -366,15 +366,15 @@ async fn serve_connection<S>(
 }
 
 /// Serves an HTTP/2 connection with hyper until it ends; at shutdown it
-/// finishes the streams it has open and takes no more. A connection on
-/// which no request has been open (its answer not yet all sent) or begun
-/// for `idle` (at most twice that) is closed the same way, as HTTP/1.1
-/// keep-alive connections are after `header_read_timeout`: hyper's HTTP/2
-/// server never closes an idle connection, nor one that sent its preface
-/// and nothing after. So is one whose open answers all wait, for as long,
-/// on a client that takes nothing. Request bodies get `idle` per frame.
+/// finishes the streams it has open and takes no more. A connection that
+/// has been idle for `idle` (at most twice that; see
+/// [`Activity::idle_for`]) is closed the same way, as HTTP/1.1 keep-alive
+/// connections are after `header_read_timeout`: hyper's HTTP/2 server
+/// never closes an idle connection, nor one that sent its preface and
+/// nothing after, nor one whose client stopped reading. Request bodies get
+/// `idle` per frame.
 async fn serve_h2<S>(
-    stream: Rewind<S>,
+    mut stream: Rewind<S>,
     gateway: Arc<ArcSwap<Gateway>>,
     peer: Peer,
     idle: Duration,
@@ -383,6 +383,7 @@ async fn serve_h2<S>(
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let activity = Arc::new(Activity::default());
+    stream.activity = Some(activity.clone());
     let service = service_fn({
         let activity = activity.clone();
         move |request: http::Request<hyper::body::Incoming>| {
@@ -391,7 +392,7 @@ async fn serve_h2<S>(
             async move {
                 let request = request.map(|body| ClientBody::h2(body, idle));
                 let response = gateway.handle(request, peer).await;
-                // Open until its body has been sent (or dropped).
+                // Open until its body has been handed to hyper whole (or dropped).
                 Ok::<_, Infallible>(response.map(|body| Tracked::new(body, open)))
             }
         }
@@ -426,29 +427,41 @@ async fn serve_h2<S>(
 const H2_CONNECTION_WINDOW: u32 = 4 << 20;
 
 /// An HTTP/2 connection's requests: how many are open, how many have
-/// begun, how often their answers' bodies were polled, and how many of
-/// those have handed hyper a frame it has not taken yet.
+/// begun, how often their answers' bodies were polled, how many of those
+/// have handed hyper a frame it has not taken yet, and how many writes to
+/// the client moved bytes.
 #[derive(Default)]
 struct Activity {
     open: AtomicUsize,
     begun: AtomicU64,
     polls: AtomicU64,
     handed: AtomicUsize,
+    writes: AtomicU64,
 }
 
 impl Activity {
-    /// Returns once a whole `period` has passed with no request begun and
-    /// none open, or every open one stuck on a frame the client does not
-    /// take (its flow-control window shut): as the HTTP/1.1 listener gives
-    /// up on a client that stops reading.
+    /// Returns once a whole `period` has passed with nothing written to the
+    /// client, no request begun, no answer's body polled, and no request
+    /// open but those stuck on a frame the client does not take (its
+    /// flow-control window shut): as the HTTP/1.1 listener gives up on a
+    /// client that stops reading. A slow reader is written to, and an
+    /// answer waiting on its upstream is not stuck.
     async fn idle_for(&self, period: Duration) {
-        let moved = || (self.begun.load(Ordering::Relaxed), self.polls.load(Ordering::Relaxed));
+        let moved = || {
+            (
+                self.begun.load(Ordering::SeqCst),
+                self.polls.load(Ordering::SeqCst),
+                self.writes.load(Ordering::SeqCst),
+            )
+        };
         let mut seen = moved();
         loop {
             tokio::time::sleep(period).await;
             let now = moved();
-            let open = self.open.load(Ordering::Relaxed);
-            if now == seen && (open == 0 || open == self.handed.load(Ordering::Relaxed)) {
+            let open = self.open.load(Ordering::SeqCst);
+            let stuck = open == 0 || open == self.handed.load(Ordering::SeqCst);
+            // Read again: a request may have moved between the loads.
+            if now == seen && stuck && moved() == now {
                 return;
             }
             seen = now;
@@ -476,7 +489,7 @@ impl Tracked {
 
     fn taken(&mut self) {
         if std::mem::take(&mut self.handed) {
-            self.open.0.handed.fetch_sub(1, Ordering::Relaxed);
+            self.open.0.handed.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
@@ -497,11 +510,11 @@ impl http_body::Body for Tracked {
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
         this.taken();
-        this.open.0.polls.fetch_add(1, Ordering::Relaxed);
+        this.open.0.polls.fetch_add(1, Ordering::SeqCst);
         let polled = Pin::new(&mut this.body).poll_frame(cx);
         if let Poll::Ready(Some(Ok(_))) = &polled {
             this.handed = true;
-            this.open.0.handed.fetch_add(1, Ordering::Relaxed);
+            this.open.0.handed.fetch_add(1, Ordering::SeqCst);
         }
         polled
     }
@@ -520,27 +533,40 @@ struct Open(Arc<Activity>);
 
 impl Open {
     fn new(activity: &Arc<Activity>) -> Open {
-        activity.open.fetch_add(1, Ordering::Relaxed);
-        activity.begun.fetch_add(1, Ordering::Relaxed);
+        activity.open.fetch_add(1, Ordering::SeqCst);
+        activity.begun.fetch_add(1, Ordering::SeqCst);
         Open(activity.clone())
     }
 }
 
 impl Drop for Open {
     fn drop(&mut self) {
-        self.0.open.fetch_sub(1, Ordering::Relaxed);
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 /// A stream with bytes already read from it put back in front.
+/// (For HTTP/2, whose connections it carries, it also counts the writes
+/// that moved bytes: see [`Activity`].)
 struct Rewind<S> {
     read: Bytes,
     stream: S,
+    activity: Option<Arc<Activity>>,
 }
 
 impl<S> Rewind<S> {
     fn new(read: Bytes, stream: S) -> Rewind<S> {
-        Rewind { read, stream }
+        Rewind {
+            read,
+            stream,
+            activity: None,
+        }
+    }
+
+    fn wrote(&self, written: &Poll<std::io::Result<usize>>) {
+        if let (Some(activity), Poll::Ready(Ok(1..))) = (&self.activity, written) {
+            activity.writes.fetch_add(1, Ordering::SeqCst);
+        }
     }
 }
 
@@ -558,7 +584,9 @@ impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
 
 impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
+        let written = Pin::new(&mut self.stream).poll_write(cx, buf);
+        self.wrote(&written);
+        written
     }
 
     fn poll_write_vectored(
@@ -566,7 +594,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+        let written = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
+        self.wrote(&written);
+        written
     }
 
     fn is_write_vectored(&self) -> bool {
