@@ -470,8 +470,9 @@ impl Activity {
 }
 
 /// A response body that keeps its request counted as open, and says when
-/// it has handed hyper a frame not yet taken (hyper polls the body again
-/// only once it has sent the last one).
+/// it has handed hyper a frame not yet taken (hyper holds the next frame
+/// it polls until the client's window has room for it, and polls no more
+/// until then).
 struct Tracked {
     body: ResponseBody,
     open: Open,
