@@ -508,9 +508,9 @@ impl RedisStore {
     }
 
     /// [`RedisStore::eval`] on several keys. A script the server lacks is
-    /// sent with `EVAL`, which goes where the keys do and caches it there;
-    /// `SCRIPT LOAD` would go to every node of a cluster, and fail while
-    /// any one of them is down.
+    /// sent with `EVAL`, which goes where the keys do and caches it there,
+    /// in one round trip; `SCRIPT LOAD` would go to every node of a
+    /// cluster (redis-rs asks them all to succeed), then `EVALSHA` again.
     async fn eval_on<T: redis::FromRedisValue>(
         &self,
         script: &Lua,
