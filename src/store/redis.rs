@@ -800,56 +800,50 @@ impl Store for RedisStore {
 async fn warn_if_evicting(nodes: Vec<redis::Client>) {
     futures_util::future::join_all(nodes.into_iter().map(|node| async move {
         let address = node.get_connection_info().addr().to_string();
-        loop {
-            let asked = async {
-                let mut connection = node.get_multiplexed_async_connection().await?;
-                redis::cmd("CONFIG")
-                    .arg("GET")
-                    .arg("maxmemory-policy")
-                    .query_async::<Vec<String>>(&mut connection)
-                    .await
-            };
-            match tokio::time::timeout(Duration::from_secs(5), asked).await {
-                Ok(Ok(reply)) => {
-                    match reply.get(1).map(String::as_str) {
-                        Some("noeviction") => {}
-                        Some(policy) => tracing::warn!(
-                            redis = %address,
-                            policy,
-                            "this Redis evicts keys when full (maxmemory-policy): an evicted claim lets a retry \
-                             reach the upstream twice, an evicted record loses its answer; set maxmemory-policy \
-                             to noeviction"
-                        ),
-                        None => tracing::info!(
-                            redis = %address,
-                            "could not read this Redis's maxmemory-policy; it must be noeviction"
-                        ),
-                    }
-                    return;
-                }
-                // A server still loading its data, or a cluster settling,
-                // answers soon; any other refusal (CONFIG disabled) is final.
-                Ok(Err(error))
-                    if matches!(error.kind(), redis::ErrorKind::Server(kind) if !matches!(
-                        kind,
-                        redis::ServerErrorKind::BusyLoading
-                            | redis::ServerErrorKind::MasterDown
-                            | redis::ServerErrorKind::TryAgain
-                            | redis::ServerErrorKind::ClusterDown
-                    )) =>
-                {
-                    tracing::info!(
-                        redis = %address,
-                        %error,
-                        "could not read this Redis's maxmemory-policy; it must be noeviction"
-                    );
-                    return;
-                }
+        let asked = loop {
+            match tokio::time::timeout(Duration::from_secs(5), eviction_policy(&node)).await {
+                Ok(Ok(policy)) => break Ok(policy),
+                Ok(Err(error)) if refused(&error) => break Err(error),
                 Ok(Err(_)) | Err(_) => tokio::time::sleep(Duration::from_secs(5)).await,
             }
+        };
+        match asked {
+            Ok(Some(policy)) if policy == "noeviction" => {}
+            Ok(Some(policy)) => tracing::warn!(
+                redis = %address,
+                policy,
+                "this Redis evicts keys when full (maxmemory-policy): an evicted claim lets a retry \
+                 reach the upstream twice, an evicted record loses its answer; set maxmemory-policy \
+                 to noeviction"
+            ),
+            Ok(None) | Err(_) => tracing::info!(
+                redis = %address,
+                error = asked.err().as_ref().map(tracing::field::display),
+                "could not read this Redis's maxmemory-policy; it must be noeviction"
+            ),
         }
     }))
     .await;
+}
+
+/// `node`'s `maxmemory-policy`, if it names one.
+async fn eviction_policy(node: &redis::Client) -> Result<Option<String>, RedisError> {
+    let mut connection = node.get_multiplexed_async_connection().await?;
+    let reply: Vec<String> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxmemory-policy")
+        .query_async(&mut connection)
+        .await?;
+    Ok(reply.into_iter().nth(1))
+}
+
+/// Whether a server refused for good (CONFIG disabled, as on some managed
+/// services) rather than for a moment: one still loading its data, or a
+/// cluster settling, answers soon.
+fn refused(error: &RedisError) -> bool {
+    use redis::ServerErrorKind::{BusyLoading, ClusterDown, MasterDown, TryAgain};
+    matches!(error.kind(), redis::ErrorKind::Server(kind)
+        if !matches!(kind, BusyLoading | MasterDown | TryAgain | ClusterDown))
 }
 
 /// Keeps one subscription to [`CHANNEL`] alive, trying each node in turn,
