@@ -161,7 +161,6 @@ path = "no-slash"
 lock_timeout = "soon"
 methods = ["post"]
 fingerprint = { ignore = ["ts"] }
-colour = "blue"
 "#,
         "broken.toml",
     )
@@ -179,7 +178,6 @@ colour = "blue"
         "route[1].lock_timeout",
         "route[1].methods",
         "route[1].fingerprint.ignore",
-        "route[1].colour",
     ] {
         assert!(error.contains(expected), "`{expected}` missing from:\n{error}");
     }
@@ -205,6 +203,54 @@ fn syntax_errors_name_the_file_line_and_column() {
     .to_string();
     assert!(broken.contains("line 4"), "{broken}");
     assert!(!broken.contains("s3cret"), "{broken}");
+}
+
+#[test]
+fn a_field_of_the_wrong_type_is_named_with_its_line() {
+    let base = "[upstream]\nurl = \"http://x\"\n";
+    for (text, field, line) in [
+        (
+            "[defaults]\nttl = 5\n",
+            "defaults.ttl: invalid type: integer",
+            "line 4, column 7",
+        ),
+        (
+            "[defaults.key]\nrequired = \"yes\"\n",
+            "defaults.key.required: invalid type: string",
+            "line 4",
+        ),
+        (
+            "[[route]]\nname = \"a\"\npath = \"/a\"\n[[route]]\nname = \"b\"\npath = \"/b\"\nrefresh_ttl_on_replay = \"yes\"\n",
+            "route[1].refresh_ttl_on_replay: invalid type: string, expected a boolean",
+            "line 9, column 25",
+        ),
+        (
+            "[[route]]\nname = \"a\"\npath = \"/a\"\n[route.fingerprint]\nheaders = \"x-a\"\n",
+            "route[0].fingerprint.headers: invalid type: string",
+            "line 7",
+        ),
+        (
+            "[[route]]\nname = \"a\"\npath = \"/a\"\nttls = \"1h\"\n",
+            "route[0]: unknown field `ttls`",
+            "line 6, column 1",
+        ),
+        (
+            "[[route]]\nname = 7\n",
+            "route[0].name: invalid type: integer",
+            "line 4",
+        ),
+        (
+            "[server]\nworkers = \"2\"\n",
+            "server.workers: invalid type: string",
+            "line 4",
+        ),
+    ] {
+        let error = Config::parse(&format!("{base}{text}"), "x.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains(field), "{text}: {error}");
+        assert!(error.contains(line), "{text}: {error}");
+    }
 }
 
 #[test]

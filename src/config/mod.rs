@@ -303,22 +303,23 @@ impl Config {
 
     /// Validates TOML `text`; `file` names it in errors.
     pub fn parse(text: &str, file: &str) -> Result<Config, ConfigError> {
-        let raw: raw::RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            file: file.to_string(),
-            // Where and why, without the line itself, which may hold a
-            // token or a password.
-            message: match e.span() {
-                Some(span) => {
-                    let before = &text[..span.start.min(text.len())];
-                    let line = before.matches('\n').count() + 1;
-                    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
-                    format!(
-                        "line {line}, column {column}: {}",
-                        without_value(e.message().trim_end())
-                    )
-                }
-                None => without_value(e.message().trim_end()),
-            },
+        let raw: raw::RawConfig = toml::from_str(text).map_err(|e| {
+            // Where, which field and why, without the line itself, which
+            // may hold a token or a password.
+            let field = field_of(text).map(|f| format!("{f}: ")).unwrap_or_default();
+            let why = without_value(e.message().trim_end());
+            ConfigError::Parse {
+                file: file.to_string(),
+                message: match e.span() {
+                    Some(span) => {
+                        let before = &text[..span.start.min(text.len())];
+                        let line = before.matches('\n').count() + 1;
+                        let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+                        format!("line {line}, column {column}: {field}{why}")
+                    }
+                    None => format!("{field}{why}"),
+                },
+            }
         })?;
         validate::validate(raw).map_err(|problems| ConfigError::Invalid {
             file: file.to_string(),
@@ -337,6 +338,38 @@ impl Route {
     pub fn accepts(&self, method: &Method) -> bool {
         self.policy.methods.contains(method)
     }
+}
+
+/// The field a file that parses as TOML but not as a config went wrong at,
+/// as validation names fields (`route[1].ttl`); `None` for a syntax error.
+///
+/// The parser's error knows the field but keeps it private; deserialising
+/// the parsed table again says it (as ``"…\nin `route.ttl`"``), and the
+/// routes one by one say which route.
+fn field_of(text: &str) -> Option<String> {
+    use serde::Deserialize;
+
+    let table: toml::Table = toml::from_str(text).ok()?;
+    let routes = table.get("route").cloned();
+    let error = raw::RawConfig::deserialize(toml::Value::Table(table))
+        .err()?
+        .to_string();
+    let (_, path) = error.trim_end().rsplit_once("\nin `")?;
+    let path = path.strip_suffix('`')?;
+    let Some(within) = path
+        .strip_prefix("route")
+        .filter(|rest| rest.is_empty() || rest.starts_with('.'))
+    else {
+        return Some(path.to_string());
+    };
+    let index = match routes {
+        Some(toml::Value::Array(routes)) => routes.into_iter().position(|r| raw::RawRoute::deserialize(r).is_err()),
+        _ => None,
+    };
+    Some(match index {
+        Some(i) => format!("route[{i}]{within}"),
+        None => path.to_string(),
+    })
 }
 
 /// A parser's message without the value it quotes: ``invalid type: string

@@ -102,27 +102,66 @@ impl<'de> Deserialize<'de> for RawSize {
     }
 }
 
-/// The policy fields shared by `[defaults]` and every `[[route]]`.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawPolicy {
-    pub methods: Option<Vec<String>>,
-    pub ttl: Option<String>,
-    pub lock_timeout: Option<String>,
-    pub scope: Option<Vec<String>>,
-    pub on_in_flight: Option<String>,
-    pub wait_timeout: Option<String>,
-    pub on_server_error: Option<String>,
-    pub on_upstream_failure: Option<String>,
-    pub refresh_ttl_on_replay: Option<bool>,
-    pub max_response_body: Option<RawSize>,
-    pub forward_key_header: Option<String>,
-    pub replay_drop_headers: Option<Vec<String>>,
-    pub mode: Option<String>,
+/// Declares [`RawPolicy`] and the route table that carries the same fields
+/// beside a route's identity, so each policy field is written once.
+///
+/// The route table is flat for serde rather than a `flatten`ed policy:
+/// through `flatten`, serde can neither deny unknown fields nor say which
+/// field had the wrong type, and the parser's error would point at the
+/// `[[route]]` line instead of the field.
+macro_rules! policy_fields {
+    ($($(#[$attr:meta])* $field:ident: $ty:ty,)*) => {
+        /// The policy fields shared by `[defaults]` and every `[[route]]`.
+        #[derive(Debug, Default, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub struct RawPolicy {
+            $($(#[$attr])* pub $field: $ty,)*
+        }
+
+        /// One `[[route]]` table as written: its identity and its policy
+        /// fields side by side.
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct RouteTable {
+            name: Option<String>,
+            path: Option<String>,
+            host: Option<String>,
+            upstream: Option<String>,
+            $($(#[$attr])* $field: $ty,)*
+        }
+
+        impl From<RouteTable> for RawRoute {
+            fn from(table: RouteTable) -> RawRoute {
+                RawRoute {
+                    name: table.name,
+                    path: table.path,
+                    host: table.host,
+                    upstream: table.upstream,
+                    policy: RawPolicy { $($field: table.$field,)* },
+                }
+            }
+        }
+    };
+}
+
+policy_fields! {
+    methods: Option<Vec<String>>,
+    ttl: Option<String>,
+    lock_timeout: Option<String>,
+    scope: Option<Vec<String>>,
+    on_in_flight: Option<String>,
+    wait_timeout: Option<String>,
+    on_server_error: Option<String>,
+    on_upstream_failure: Option<String>,
+    refresh_ttl_on_replay: Option<bool>,
+    max_response_body: Option<RawSize>,
+    forward_key_header: Option<String>,
+    replay_drop_headers: Option<Vec<String>>,
+    mode: Option<String>,
     #[serde(default)]
-    pub key: RawKey,
+    key: RawKey,
     #[serde(default)]
-    pub fingerprint: RawFingerprint,
+    fingerprint: RawFingerprint,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -143,18 +182,12 @@ pub struct RawFingerprint {
 }
 
 /// One `[[route]]`: its identity, and the policy fields it overrides.
-///
-/// The policy is flattened into the route table. serde cannot deny unknown
-/// fields through `flatten`, so whatever neither part knows lands in
-/// `unknown`, and validation reports it.
 #[derive(Debug, Deserialize)]
+#[serde(from = "RouteTable")]
 pub struct RawRoute {
     pub name: Option<String>,
     pub path: Option<String>,
     pub host: Option<String>,
     pub upstream: Option<String>,
-    #[serde(flatten)]
     pub policy: RawPolicy,
-    #[serde(flatten)]
-    pub unknown: std::collections::BTreeMap<String, toml::Value>,
 }

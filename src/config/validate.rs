@@ -504,9 +504,6 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
     let mut routes: Vec<Route> = Vec::new();
     for (i, r) in raw.route.iter().enumerate() {
         let at = format!("route[{i}]");
-        for field in r.unknown.keys() {
-            c.problem(&format!("{at}.{field}"), "unknown field");
-        }
         let name = match &r.name {
             // Names go into metric labels and log lines as they are.
             Some(n) if n.chars().any(char::is_control) => {
