@@ -317,6 +317,41 @@ async fn a_completion_the_store_did_not_take_is_retried_until_it_lands() {
     assert_eq!(upstream.hits(), 1);
 }
 
+/// A claim the store took only after the proxy stopped waiting for it is
+/// released all the same: its retry runs, and does not meet a 409 until the
+/// lease (30 s) runs out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_timed_out_is_released_once_the_store_takes_it() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start_with_store(&upstream.url(), ROUTE, redis_store(&redis.url())).await;
+    let client = TestClient::default();
+    assert_eq!(client.post(&proxy.url("/v1/orders"), "warm", "{}").await.status, 201);
+    // Writes stall for 2.5 s: the claim is queued, and times out at 1 s.
+    assert!(redis.cli(&["client", "pause", "2500", "write"]).is_some());
+    let paused_at = Instant::now();
+    let stalled = client.post(&proxy.url("/v1/orders"), "stalled", "{}").await;
+    assert_eq!(stalled.status, StatusCode::SERVICE_UNAVAILABLE, "{}", stalled.text());
+    assert_eq!(stalled.problem(), "store-unavailable");
+    assert_eq!(upstream.hits(), 1, "a request without a claim is not forwarded");
+    while paused_at.elapsed() < Duration::from_millis(2700) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let retry = client.post(&proxy.url("/v1/orders"), "stalled", "{}").await;
+        if retry.status == StatusCode::CREATED {
+            assert!(!retry.replayed());
+            break;
+        }
+        // 503 while a worker's connection is still catching up.
+        assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE, "{}", retry.text());
+        assert!(Instant::now() < deadline, "the stalled claim was never released");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(upstream.hits(), 2);
+}
+
 /// A record the store holds but cannot read (damaged, or written by a newer
 /// version) is not the store being down: with `on_error = "pass"` the
 /// request is still refused, as forwarding it could run it twice.

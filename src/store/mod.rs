@@ -14,7 +14,9 @@ mod waiters;
 
 use std::collections::HashMap;
 use std::fmt;
+use std::future::Future;
 use std::hash::{BuildHasher, Hasher, RandomState};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -519,8 +521,41 @@ impl StoreHandle {
         if let Some(memory) = &self.memory {
             return Ok(memory.claim_now(key, fingerprint, owner, lease, refresh_ttl));
         }
-        self.deadline(self.store.claim(key, fingerprint, owner, lease, refresh_ttl))
-            .await
+        let store = self.store.clone();
+        let (key, fingerprint) = (*key, *fingerprint);
+        let mut claim = Box::pin(async move { store.claim(&key, &fingerprint, owner, lease, refresh_ttl).await });
+        let result = self.deadline(claim.as_mut()).await;
+        if let Err(StoreError::Timeout(_)) = result {
+            self.see_through(claim, key, owner, lease);
+        }
+        result
+    }
+
+    /// A claim given up on may still reach the store (it was sent, and the
+    /// store was slow): it is seen through in a task of its own, for as long
+    /// as its lease, and what it took is released. Released at once instead,
+    /// the release could reach the store first (another thread's
+    /// connection, a batch not yet written) and leave the key claimed by
+    /// nobody, every retry a 409 until the lease ran out.
+    fn see_through(
+        &self,
+        claim: Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>,
+        key: RecordKey,
+        owner: Owner,
+        lease: Duration,
+    ) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.clone();
+        runtime.spawn(async move {
+            if let Ok(Ok(Claim::Claimed)) = tokio::time::timeout(lease, claim).await {
+                tracing::debug!(key = %key.tag(), "a claim answered after its timeout is released");
+                if let Err(error) = store.release(&key, owner).await {
+                    tracing::warn!(key = %key.tag(), %error, "releasing a claim answered after its timeout failed");
+                }
+            }
+        });
     }
 
     pub async fn complete(
