@@ -79,6 +79,8 @@ fn script(path: &str) -> (&'static [u8], bool) {
 struct RawUpstream {
     url: String,
     connections: Arc<AtomicUsize>,
+    /// Connections the proxy closed.
+    closed: Arc<AtomicUsize>,
     bodies: Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
 }
 
@@ -86,13 +88,14 @@ async fn raw_upstream() -> RawUpstream {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let connections = Arc::new(AtomicUsize::new(0));
+    let closed = Arc::new(AtomicUsize::new(0));
     let bodies = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let (count, seen) = (connections.clone(), bodies.clone());
+    let (count, seen, hung_up) = (connections.clone(), bodies.clone(), closed.clone());
     tokio::spawn(async move {
         loop {
             let (mut socket, _) = listener.accept().await.unwrap();
             count.fetch_add(1, Ordering::SeqCst);
-            let seen = seen.clone();
+            let (seen, hung_up) = (seen.clone(), hung_up.clone());
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 loop {
@@ -103,7 +106,10 @@ async fn raw_upstream() -> RawUpstream {
                         }
                         let mut chunk = [0u8; 4096];
                         match socket.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
+                            Ok(0) | Err(_) => {
+                                hung_up.fetch_add(1, Ordering::SeqCst);
+                                return;
+                            }
                             Ok(n) => buf.extend_from_slice(&chunk[..n]),
                         }
                     };
@@ -133,6 +139,7 @@ async fn raw_upstream() -> RawUpstream {
     RawUpstream {
         url,
         connections,
+        closed,
         bodies,
     }
 }
@@ -440,4 +447,26 @@ async fn a_connection_idle_past_idle_timeout_is_not_reused() {
         2,
         "idle 600 ms, past the 300 ms idle_timeout: a new connection"
     );
+}
+
+#[tokio::test]
+async fn idle_connections_close_after_idle_timeout_without_further_traffic() {
+    let (upstream, proxy) = behind_proxy("[upstream]\nidle_timeout = \"300ms\"\n").await;
+    let client = TestClient::default();
+    assert_eq!(
+        client.send("GET", &proxy.url("/length"), &[], "").await.text(),
+        "length"
+    );
+    assert_eq!(upstream.closed.load(Ordering::SeqCst), 0);
+    // No request returns a connection to the pool from here on: the sweep
+    // (every second) closes it.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while upstream.closed.load(Ordering::SeqCst) == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the idle connection was never closed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(upstream.connections.load(Ordering::SeqCst), 1);
 }

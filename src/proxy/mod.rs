@@ -37,6 +37,7 @@ use tracing::field::Empty;
 pub use body::{BoxError, ClientBody, Feed, ResponseBody};
 pub use forward::Peer;
 pub use problem::Problem;
+pub(crate) use upstream::sweep_idle_connections;
 
 use crate::config::{Config, DeriveField, Mode, OnInFlight, OnStoreError, Policy, Route, RouteMatch};
 use crate::store::{Claim, Outcome as Stored, Owner, StoreError, StoreHandle, StoredResponse};

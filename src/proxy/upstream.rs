@@ -146,6 +146,41 @@ fn checkout(key: &PoolKey) -> Option<Conn> {
     })
 }
 
+/// How often a worker drops its pooled connections past their
+/// `idle_timeout` when no request comes to return one.
+const IDLE_SWEEP: Duration = Duration::from_secs(1);
+
+/// Drops this thread's pooled connections idle longer than their
+/// `idle_timeout`, every [`IDLE_SWEEP`], for as long as it runs: after
+/// traffic to an upstream stops, its idle connections close within about a
+/// second of their time instead of waiting (in `CLOSE_WAIT`, once the
+/// upstream closes them) for the next request. For a worker's
+/// single-threaded runtime, whose thread's pool it is.
+pub async fn sweep_idle_connections() {
+    let mut tick = tokio::time::interval(IDLE_SWEEP);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tick.tick().await;
+        let now = coarse_now();
+        POOL.with_borrow_mut(|pool| {
+            for (key, idle) in pool.iter_mut() {
+                drop_stale(idle, now, key.idle_timeout);
+            }
+            pool.retain(|(_, idle)| !idle.is_empty());
+        });
+    }
+}
+
+/// Drops the connections of `idle` (oldest first) idle past `idle_timeout`,
+/// looking no further than the first one still in it.
+fn drop_stale(idle: &mut Vec<Conn>, now: Instant, idle_timeout: Duration) {
+    let stale = idle
+        .iter()
+        .take_while(|c| now.saturating_duration_since(c.idle_since) > idle_timeout)
+        .count();
+    idle.drain(..stale);
+}
+
 fn checkin(key: PoolKey, mut conn: Conn) {
     let now = coarse_now();
     conn.idle_since = now;
@@ -158,13 +193,8 @@ fn checkin(key: PoolKey, mut conn: Conn) {
         pool.retain(|(k, _)| k.client == key.client);
         match pool.iter_mut().find(|(k, _)| *k == key) {
             Some((_, idle)) => {
-                // The oldest sit at the bottom: drop those past their time,
-                // looking no further than the first one still in it.
-                let stale = idle
-                    .iter()
-                    .take_while(|c| now.saturating_duration_since(c.idle_since) > key.idle_timeout)
-                    .count();
-                idle.drain(..stale);
+                // The oldest sit at the bottom.
+                drop_stale(idle, now, key.idle_timeout);
                 if idle.len() < MAX_IDLE_PER_UPSTREAM {
                     idle.push(conn);
                 }

@@ -270,6 +270,8 @@ impl Server {
         if let Some(admin) = admin {
             tokio::spawn(admin::serve(admin, gateway.clone(), metrics, admin_stopped));
         }
+        // This worker's idle upstream connections, swept while it serves.
+        let sweeper = tokio::spawn(crate::proxy::sweep_idle_connections()).abort_handle();
 
         // Cancelled at shutdown: idle connections close, busy ones after
         // their answer (HTTP/1.1) or their open streams (HTTP/2).
@@ -343,6 +345,7 @@ impl Server {
                 "shutdown grace ran out; exchanges still open keep their claims until their leases end"
             ),
         }
+        sweeper.abort();
     }
 }
 
