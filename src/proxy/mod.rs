@@ -571,8 +571,8 @@ fn replay(stored: &StoredResponse, policy: &Policy) -> Response<ResponseBody> {
     let headers = response.headers_mut();
     headers.reserve(stored.headers().len() + 1);
     for (name, value) in stored.header_values() {
-        if !policy.replay_drop_headers.contains(name) {
-            headers.append(name.clone(), value);
+        if !policy.replay_drop_headers.contains(&name) {
+            headers.append(name, value);
         }
     }
     headers.insert(REPLAYED.clone(), HeaderValue::from_static("true"));

@@ -22,7 +22,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{HeaderName, StatusCode};
+use http::StatusCode;
 
 use super::{Fingerprint, Outcome, Owner, StoreError, StoredResponse};
 
@@ -69,8 +69,8 @@ pub fn completed(fingerprint: &Fingerprint, outcome: &Outcome) -> Vec<u8> {
             let count = u16::try_from(response.headers().len()).unwrap_or(u16::MAX);
             out.extend_from_slice(&count.to_be_bytes());
             for (name, value) in response.headers().take(count as usize) {
-                out.extend_from_slice(&(name.as_str().len() as u16).to_be_bytes());
-                out.extend_from_slice(name.as_str().as_bytes());
+                out.extend_from_slice(&(name.len() as u16).to_be_bytes());
+                out.extend_from_slice(name.as_bytes());
                 out.extend_from_slice(&(value.len() as u32).to_be_bytes());
                 out.extend_from_slice(value);
             }
@@ -144,14 +144,13 @@ pub fn decode(bytes: Bytes) -> Result<Decoded, StoreError> {
             let mut headers = Vec::with_capacity(count as usize);
             for _ in 0..count {
                 let len = r.u16()? as usize;
-                let at = r.skip(len)?;
-                let name = HeaderName::from_bytes(&r.bytes[at]).map_err(|_| StoreError::Corrupt("bad header name"))?;
+                let name = r.skip(len)?;
                 let len = r.u32()? as usize;
                 headers.push((name, r.skip(len)?));
             }
             let body = r.at..r.bytes.len();
             let response = StoredResponse::in_block(status, r.bytes, headers, body)
-                .ok_or(StoreError::Corrupt("bad header value"))?;
+                .ok_or(StoreError::Corrupt("bad header name or value"))?;
             Outcome::Response(Arc::new(response))
         }
         _ => return Err(StoreError::Corrupt("unknown record kind")),
@@ -161,7 +160,7 @@ pub fn decode(bytes: Bytes) -> Result<Decoded, StoreError> {
 
 #[cfg(test)]
 mod tests {
-    use http::HeaderValue;
+    use http::{HeaderName, HeaderValue};
 
     use super::*;
 
@@ -216,5 +215,25 @@ mod tests {
         let mut future = good.clone();
         future[0] = 2;
         assert!(decode(Bytes::from(future)).is_err());
+        // The name `a` (after status, count and its length), then its value `b`.
+        let name = PREFIX + 2 + 2 + 2;
+        assert_eq!(good[name], b'a');
+        for (at, bad) in [(name, b' '), (name + 1 + 4, b'\n')] {
+            let mut damaged = good.clone();
+            damaged[at] = bad;
+            assert!(matches!(decode(Bytes::from(damaged)), Err(StoreError::Corrupt(_))));
+        }
+        // A name in capitals still replays under its lowercase name.
+        let mut shouting = good.clone();
+        shouting[name] = b'A';
+        let Decoded::Completed {
+            outcome: Outcome::Response(response),
+            ..
+        } = decode(Bytes::from(shouting)).unwrap()
+        else {
+            panic!("not a response")
+        };
+        let (name, value) = response.header_values().next().unwrap();
+        assert_eq!((name.as_str(), value.as_bytes()), ("a", &b"b"[..]));
     }
 }

@@ -31,6 +31,7 @@ pub use memory::MemoryStore;
 pub use redis::RedisStore;
 
 use crate::config::{StoreBackend, StoreConfig};
+use crate::wire::names;
 
 /// Locks `mutex`, poisoned or not: a panic while holding one of the
 /// stores' locks cannot leave its data half-updated in a way that matters
@@ -178,10 +179,13 @@ impl Default for Owner {
 
 /// A backend answer kept for replay.
 ///
-/// Its header values and body lie in one buffer: one allocation to make
-/// and, when the record goes, one to free. A value is cut from the buffer
-/// only as the answer is replayed, so keeping an answer takes no reference
-/// counts on it (nor, when it is evicted unreplayed, gives any back).
+/// Its header names, header values and body lie in one buffer: one
+/// allocation to make and, when the record goes, one to free. A value is
+/// cut from the buffer only as the answer is replayed, so keeping an answer
+/// takes no reference counts on it (nor, when it is evicted unreplayed,
+/// gives any back). The header list is plain offsets with nothing to drop:
+/// evicting a cold record touches its reference count and the buffer's
+/// pointer, not each header in turn.
 #[derive(Clone)]
 pub struct StoredResponse {
     pub status: StatusCode,
@@ -192,16 +196,23 @@ pub struct StoredResponse {
     body: std::ops::Range<usize>,
 }
 
-#[derive(Clone)]
+/// Where a header's name and value lie in the block. Names are valid
+/// header names (the name of a `HeaderName`, or checked as one when a
+/// record is decoded), so they are ASCII.
+#[derive(Clone, Copy)]
 struct StoredHeader {
-    name: HeaderName,
-    /// Where the value lies in the block.
+    name_at: u32,
+    name_len: u16,
+    sensitive: bool,
     at: u32,
     len: u32,
-    sensitive: bool,
 }
 
 impl StoredHeader {
+    fn name(&self) -> std::ops::Range<usize> {
+        self.name_at as usize..self.name_at as usize + usize::from(self.name_len)
+    }
+
     fn value(&self) -> std::ops::Range<usize> {
         self.at as usize..self.at as usize + self.len as usize
     }
@@ -213,21 +224,26 @@ impl StoredResponse {
     /// connection's read buffer, which keeping would pin whole (kilobytes
     /// for an answer of a few bytes) for as long as the record.
     pub fn new(status: StatusCode, headers: &[(&HeaderName, &HeaderValue)], chunks: &[Bytes]) -> StoredResponse {
-        let values: usize = headers.iter().map(|(_, value)| value.len()).sum();
+        let head: usize = headers
+            .iter()
+            .map(|(name, value)| name.as_str().len() + value.len())
+            .sum();
         let body: usize = chunks.iter().map(Bytes::len).sum();
-        let mut block = BytesMut::with_capacity(values + body);
+        let mut block = BytesMut::with_capacity(head + body);
+        // A head is far smaller than 4 GiB, and a name than 64 KiB.
+        let mut put = |bytes: &[u8]| {
+            let at = block.len();
+            block.extend_from_slice(bytes);
+            u32::try_from(at).expect("a head fits in 4 GiB")
+        };
         let headers = headers
             .iter()
-            .map(|&(name, value)| {
-                let at = block.len();
-                block.extend_from_slice(value.as_bytes());
-                StoredHeader {
-                    name: name.clone(),
-                    // A value is part of a head, which is far smaller than 4 GiB.
-                    at: u32::try_from(at).expect("header values fit in a head"),
-                    len: u32::try_from(value.len()).expect("header values fit in a head"),
-                    sensitive: value.is_sensitive(),
-                }
+            .map(|&(name, value)| StoredHeader {
+                name_at: put(name.as_str().as_bytes()),
+                name_len: u16::try_from(name.as_str().len()).expect("a header name fits in 64 KiB"),
+                at: put(value.as_bytes()),
+                len: u32::try_from(value.len()).expect("a head fits in 4 GiB"),
+                sensitive: value.is_sensitive(),
             })
             .collect();
         for chunk in chunks {
@@ -237,27 +253,29 @@ impl StoredResponse {
             status,
             headers,
             block: block.freeze(),
-            body: values..values + body,
+            body: head..head + body,
         }
     }
 
-    /// An answer whose header values and body are ranges of `block` (a
-    /// decoded record's bytes): nothing is copied. `None` when a range lies
-    /// outside the block or a value is not a valid header value.
+    /// An answer whose header names, values and body are ranges of `block`
+    /// (a decoded record's bytes): nothing is copied. `None` when a range
+    /// lies outside the block, or a name or value is not a valid one.
     pub fn in_block(
         status: StatusCode,
         block: Bytes,
-        headers: impl IntoIterator<Item = (HeaderName, std::ops::Range<usize>)>,
+        headers: impl IntoIterator<Item = (std::ops::Range<usize>, std::ops::Range<usize>)>,
         body: std::ops::Range<usize>,
     ) -> Option<StoredResponse> {
         let headers = headers
             .into_iter()
-            .map(|(name, range)| {
-                HeaderValue::from_bytes(block.get(range.clone())?).ok()?;
+            .map(|(name, value)| {
+                HeaderName::from_bytes(block.get(name.clone())?).ok()?;
+                HeaderValue::from_bytes(block.get(value.clone())?).ok()?;
                 Some(StoredHeader {
-                    name,
-                    at: u32::try_from(range.start).ok()?,
-                    len: u32::try_from(range.len()).ok()?,
+                    name_at: u32::try_from(name.start).ok()?,
+                    name_len: u16::try_from(name.len()).ok()?,
+                    at: u32::try_from(value.start).ok()?,
+                    len: u32::try_from(value.len()).ok()?,
                     sensitive: false,
                 })
             })
@@ -271,21 +289,27 @@ impl StoredResponse {
         })
     }
 
-    /// The headers, in the order they were kept, their values borrowed.
-    pub fn headers(&self) -> impl ExactSizeIterator<Item = (&HeaderName, &[u8])> + '_ {
+    /// The headers, in the order they were kept, names and values
+    /// borrowed.
+    pub fn headers(&self) -> impl ExactSizeIterator<Item = (&str, &[u8])> + '_ {
         self.headers
             .iter()
-            .map(|header| (&header.name, &self.block[header.value()]))
+            .map(|header| (self.name(header), &self.block[header.value()]))
+    }
+
+    fn name(&self, header: &StoredHeader) -> &str {
+        std::str::from_utf8(&self.block[header.name()]).expect("header names are ASCII")
     }
 
     /// The headers as they are replayed: each value a slice of the answer's
-    /// buffer.
-    pub fn header_values(&self) -> impl Iterator<Item = (&HeaderName, HeaderValue)> + '_ {
+    /// buffer, each name from the names already made ([`names::intern`]).
+    pub fn header_values(&self) -> impl Iterator<Item = (HeaderName, HeaderValue)> + '_ {
         self.headers.iter().map(|header| {
+            let name = names::intern(&self.block[header.name()]).expect("kept from a valid header name");
             let mut value = HeaderValue::from_maybe_shared(self.block.slice(header.value()))
                 .expect("kept from a valid header value");
             value.set_sensitive(header.sensitive);
-            (&header.name, value)
+            (name, value)
         })
     }
 
@@ -303,7 +327,7 @@ impl StoredResponse {
         let headers: usize = self
             .headers
             .iter()
-            .map(|header| header.name.as_str().len() + header.len as usize + 64)
+            .map(|header| usize::from(header.name_len) + header.len as usize + 64)
             .sum();
         self.body.len() + headers + 64
     }
@@ -323,14 +347,7 @@ impl fmt::Debug for StoredResponse {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StoredResponse")
             .field("status", &self.status)
-            .field(
-                "headers",
-                &self
-                    .headers
-                    .iter()
-                    .map(|header| header.name.as_str())
-                    .collect::<Vec<_>>(),
-            )
+            .field("headers", &self.headers().map(|(name, _)| name).collect::<Vec<_>>())
             .field("body_len", &self.body.len())
             .finish()
     }
