@@ -347,8 +347,9 @@ impl UpstreamClient {
     async fn connect(&self, key: &PoolKey) -> Result<Conn, UpstreamError> {
         let host = key.authority.host().trim_start_matches('[').trim_end_matches(']');
         let port = key.authority.port_u16().unwrap_or(if key.https { 443 } else { 80 });
+        let deadline = Instant::now() + self.inner.connect_timeout;
         let connect = async {
-            let tcp = TcpStream::connect((host, port)).await?;
+            let tcp = connect_any(host, port, deadline).await?;
             tcp.set_nodelay(true)?;
             let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
             socket2::SockRef::from(&tcp).set_tcp_keepalive(&keepalive)?;
@@ -365,11 +366,34 @@ impl UpstreamClient {
                 idle_since: coarse_now(),
             })
         };
-        match tokio::time::timeout(self.inner.connect_timeout, connect).await {
+        match tokio::time::timeout_at(deadline, connect).await {
             Ok(result) => result.map_err(UpstreamError::Connect),
             Err(_) => Err(UpstreamError::Connect(io::ErrorKind::TimedOut.into())),
         }
     }
+}
+
+/// A TCP connection to the first of `host`'s addresses that takes one by
+/// `deadline`, each tried in the order the resolver gives them with an
+/// even share of the time left: an address that drops connection attempts
+/// does not use up the time of the ones after it (as `localhost` can
+/// resolve to `::1` where nothing listens, then `127.0.0.1`).
+async fn connect_any(host: &str, port: u16, deadline: Instant) -> io::Result<TcpStream> {
+    let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host, port)).await?.collect();
+    connect_first(&addrs, deadline).await
+}
+
+async fn connect_first(addrs: &[std::net::SocketAddr], deadline: Instant) -> io::Result<TcpStream> {
+    let mut last = io::Error::new(io::ErrorKind::NotFound, "the upstream host has no address");
+    for (i, addr) in addrs.iter().enumerate() {
+        let share = deadline.saturating_duration_since(Instant::now()) / (addrs.len() - i) as u32;
+        match tokio::time::timeout(share, TcpStream::connect(addr)).await {
+            Ok(Ok(tcp)) => return Ok(tcp),
+            Ok(Err(error)) => last = error,
+            Err(_) => last = io::Error::new(io::ErrorKind::TimedOut, format!("connecting to {addr} timed out")),
+        }
+    }
+    Err(last)
 }
 
 /// Methods whose requests carry no body unless they say so.
@@ -713,6 +737,55 @@ impl Body for UpstreamResponseBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An address that drops connection attempts: a listener whose accept
+    /// queue is full (never accepted from), kept alive with its queue.
+    fn unanswering() -> (std::net::SocketAddr, socket2::Socket, Vec<std::net::TcpStream>) {
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        socket
+            .bind(&"127.0.0.2:0".parse::<std::net::SocketAddr>().unwrap().into())
+            .unwrap();
+        socket.listen(0).unwrap();
+        let addr = socket.local_addr().unwrap().as_socket().unwrap();
+        // Fill the queue: connections the kernel completes until it is full.
+        let mut queued = Vec::new();
+        for _ in 0..8 {
+            match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)) {
+                Ok(stream) => queued.push(stream),
+                Err(_) => break,
+            }
+        }
+        (addr, socket, queued)
+    }
+
+    #[tokio::test]
+    async fn an_address_that_drops_attempts_leaves_time_for_the_next() {
+        let (dead, _socket, _queued) = unanswering();
+        let started = Instant::now();
+        let attempt = tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(dead)).await;
+        assert!(
+            attempt.is_err(),
+            "the full queue should leave the attempt hanging: {attempt:?}"
+        );
+        assert!(started.elapsed() >= Duration::from_millis(290));
+
+        let live = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let started = Instant::now();
+        let deadline = started + Duration::from_millis(600);
+        let tcp = connect_first(&[dead, live.local_addr().unwrap()], deadline).await;
+        assert_eq!(tcp.unwrap().peer_addr().unwrap(), live.local_addr().unwrap());
+        // The first address had half the time, the second the rest.
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_millis(290) && took < Duration::from_millis(600),
+            "{took:?}"
+        );
+
+        let error = connect_first(&[dead], Instant::now() + Duration::from_millis(100))
+            .await
+            .unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::TimedOut);
+    }
 
     #[test]
     fn framing_follows_rfc_9112() {
