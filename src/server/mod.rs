@@ -271,7 +271,7 @@ impl Server {
             tokio::spawn(admin::serve(admin, gateway.clone(), metrics, admin_stopped));
         }
         // This worker's idle upstream connections, swept while it serves.
-        let sweeper = tokio::spawn(crate::proxy::sweep_idle_connections()).abort_handle();
+        let _sweeper = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(crate::proxy::sweep_idle_connections()));
 
         // Cancelled at shutdown: idle connections close, busy ones after
         // their answer (HTTP/1.1) or their open streams (HTTP/2).
@@ -345,7 +345,6 @@ impl Server {
                 "shutdown grace ran out; exchanges still open keep their claims until their leases end"
             ),
         }
-        sweeper.abort();
     }
 }
 
