@@ -269,7 +269,8 @@ impl StoredResponse {
         let headers = headers
             .into_iter()
             .map(|(name, value)| {
-                HeaderName::from_bytes(block.get(name.clone())?).ok()?;
+                // Checked as the replay will make it: from the names made.
+                names::intern(block.get(name.clone())?).ok()?;
                 HeaderValue::from_bytes(block.get(value.clone())?).ok()?;
                 Some(StoredHeader {
                     name_at: u32::try_from(name.start).ok()?,
