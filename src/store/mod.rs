@@ -303,7 +303,7 @@ impl StoredResponse {
     }
 
     /// The headers as they are replayed: each value a slice of the answer's
-    /// buffer, each name from the names already made ([`names::intern`]).
+    /// buffer, each name from the names already made (`wire::names::intern`).
     pub fn header_values(&self) -> impl Iterator<Item = (HeaderName, HeaderValue)> + '_ {
         self.headers.iter().map(|header| {
             let name = names::intern(&self.block[header.name()]).expect("kept from a valid header name");
