@@ -17,7 +17,7 @@ use std::fmt;
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher, RandomState};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -269,7 +269,7 @@ impl StoredResponse {
         let headers = headers
             .into_iter()
             .map(|(name, value)| {
-                // Checked as the replay will make it: from the names made.
+                // Checked as a replay makes it, through the name cache.
                 names::intern(block.get(name.clone())?).ok()?;
                 HeaderValue::from_bytes(block.get(value.clone())?).ok()?;
                 Some(StoredHeader {
@@ -457,6 +457,10 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
+/// Claims given up on at their timeout and still seen through, at most
+/// (see [`StoreHandle::claim`]).
+const MAX_SEEN_THROUGH: usize = 4096;
+
 /// The store as the proxy uses it: a backend plus a deadline on every call.
 #[derive(Clone)]
 pub struct StoreHandle {
@@ -551,10 +555,15 @@ impl StoreHandle {
 
     /// A claim given up on may still reach the store (it was sent, and the
     /// store was slow): it is seen through in a task of its own, for as long
-    /// as its lease, and what it took is released. Released at once instead,
+    /// as its lease, and then released unless the store answered that it
+    /// did not take it (a release only ever removes this owner's claim, so
+    /// one after a failed or lost answer is safe). Released at once instead,
     /// the release could reach the store first (another thread's
     /// connection, a batch not yet written) and leave the key claimed by
-    /// nobody, every retry a 409 until the lease ran out.
+    /// nobody, every retry a 409 until the lease ran out. At most
+    /// [`MAX_SEEN_THROUGH`] at a time: past that, as against a store that
+    /// has stopped answering altogether, the claim is dropped and its lease
+    /// frees the key.
     fn see_through(
         &self,
         claim: Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>,
@@ -562,16 +571,25 @@ impl StoreHandle {
         owner: Owner,
         lease: Duration,
     ) {
+        static SEEN_THROUGH: AtomicUsize = AtomicUsize::new(0);
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        if SEEN_THROUGH.fetch_add(1, Ordering::Relaxed) >= MAX_SEEN_THROUGH {
+            SEEN_THROUGH.fetch_sub(1, Ordering::Relaxed);
+            return;
+        }
         let store = self.clone();
         runtime.spawn(async move {
-            if let Ok(Ok(Claim::Claimed)) = tokio::time::timeout(lease, claim).await {
-                tracing::debug!(key = %key.tag(), "a claim answered after its timeout is released");
-                if let Err(error) = store.release(&key, owner).await {
-                    tracing::warn!(key = %key.tag(), %error, "releasing a claim answered after its timeout failed");
-                }
+            let answer = tokio::time::timeout(lease, claim).await;
+            SEEN_THROUGH.fetch_sub(1, Ordering::Relaxed);
+            // Not taken, or its lease is over: nothing to release.
+            if let Ok(Ok(Claim::InFlight { .. } | Claim::Completed { .. })) | Err(_) = answer {
+                return;
+            }
+            tracing::debug!(key = %key.tag(), "a claim answered after its timeout is released");
+            if let Err(error) = store.release(&key, owner).await {
+                tracing::warn!(key = %key.tag(), %error, "releasing a claim answered after its timeout failed");
             }
         });
     }
