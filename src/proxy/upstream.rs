@@ -374,10 +374,12 @@ impl UpstreamClient {
 }
 
 /// A TCP connection to the first of `host`'s addresses that takes one by
-/// `deadline`, each tried in the order the resolver gives them with an
-/// even share of the time left: an address that drops connection attempts
-/// does not use up the time of the ones after it (as `localhost` can
-/// resolve to `::1` where nothing listens, then `127.0.0.1`).
+/// `deadline`, each tried in the order the resolver gives them: every one
+/// but the last with half the time left, the last with all of it. An
+/// address that drops connection attempts (as `localhost` can resolve to
+/// `::1` where nothing listens) leaves time for the next, and a slow but
+/// healthy first address still has half of `connect_timeout`, however many
+/// addresses follow it; one that refuses at once costs the others nothing.
 async fn connect_any(host: &str, port: u16, deadline: Instant) -> io::Result<TcpStream> {
     let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host, port)).await?.collect();
     connect_first(&addrs, deadline).await
@@ -386,7 +388,8 @@ async fn connect_any(host: &str, port: u16, deadline: Instant) -> io::Result<Tcp
 async fn connect_first(addrs: &[std::net::SocketAddr], deadline: Instant) -> io::Result<TcpStream> {
     let mut last = io::Error::new(io::ErrorKind::NotFound, "the upstream host has no address");
     for (i, addr) in addrs.iter().enumerate() {
-        let share = deadline.saturating_duration_since(Instant::now()) / (addrs.len() - i) as u32;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let share = if i + 1 < addrs.len() { left / 2 } else { left };
         match tokio::time::timeout(share, TcpStream::connect(addr)).await {
             Ok(Ok(tcp)) => return Ok(tcp),
             Ok(Err(error)) => last = error,
@@ -774,7 +777,7 @@ mod tests {
         let deadline = started + Duration::from_millis(600);
         let tcp = connect_first(&[dead, live.local_addr().unwrap()], deadline).await;
         assert_eq!(tcp.unwrap().peer_addr().unwrap(), live.local_addr().unwrap());
-        // The first address had half the time, the second the rest.
+        // The first address had half the time, the last the rest.
         let took = started.elapsed();
         assert!(
             took >= Duration::from_millis(290) && took < Duration::from_millis(600),
