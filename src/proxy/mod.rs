@@ -320,10 +320,9 @@ impl Gateway {
                 .await;
             let answered = Instant::now();
             self.context.metrics.store_latency.observe(answered - started);
-            if claim.is_ok() {
-                // Claimed: the exchange's guard takes over. Otherwise not ours.
-                unsettled.armed = false;
-            }
+            // Answered: claimed, the exchange's guard takes over; not, the
+            // store handle has released whatever a failed call may have taken.
+            unsettled.armed = false;
             let problem = match claim {
                 Ok(Claim::Claimed) => break answered,
                 Ok(Claim::InFlight { fingerprint: f, .. } | Claim::Completed { fingerprint: f, .. })
@@ -546,9 +545,10 @@ impl Gateway {
 }
 
 /// A claim this request may hold without knowing it: the store may have
-/// applied a claim whose answer was lost (a timeout, a dropped connection,
-/// a client that went away mid-call). Dropped while armed, it releases the
-/// key; the release is owner-checked, so it never touches anyone else's.
+/// applied a claim whose call was cut off by the client going away
+/// (a call that returns an error is released by [`StoreHandle::claim`]).
+/// Dropped while armed, it releases the key; the release is owner-checked,
+/// so it never touches anyone else's.
 struct Unsettled<'a> {
     store: &'a StoreHandle,
     key: crate::store::RecordKey,

@@ -532,6 +532,9 @@ impl StoreHandle {
         .await
     }
 
+    /// [`Store::claim`] within the store timeout. A call that fails leaves
+    /// nothing behind: what the store may still have taken is released (a
+    /// timed-out claim once the store answers it, in the background).
     pub async fn claim(
         &self,
         key: &RecordKey,
@@ -547,8 +550,12 @@ impl StoreHandle {
         let (key, fingerprint) = (*key, *fingerprint);
         let mut claim = Box::pin(async move { store.claim(&key, &fingerprint, owner, lease, refresh_ttl).await });
         let result = self.deadline(claim.as_mut()).await;
-        if let Err(StoreError::Timeout(_)) = result {
-            self.see_through(claim, key, owner, lease);
+        match result {
+            Err(StoreError::Timeout(_)) => self.see_through(claim, key, owner, lease),
+            // The store may have taken the claim before the error (a
+            // connection that dropped with the answer on its way).
+            Err(_) => self.release_in_background(key, owner),
+            Ok(_) => {}
         }
         result
     }
@@ -562,8 +569,8 @@ impl StoreHandle {
     /// connection, a batch not yet written) and leave the key claimed by
     /// nobody, every retry a 409 until the lease ran out. At most
     /// [`MAX_SEEN_THROUGH`] at a time: past that, as against a store that
-    /// has stopped answering altogether, the claim is dropped and its lease
-    /// frees the key.
+    /// has stopped answering altogether, the claim is dropped and released
+    /// at once, and if that release loses the race its lease frees the key.
     fn see_through(
         &self,
         claim: Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>,
@@ -577,7 +584,7 @@ impl StoreHandle {
         };
         if SEEN_THROUGH.fetch_add(1, Ordering::Relaxed) >= MAX_SEEN_THROUGH {
             SEEN_THROUGH.fetch_sub(1, Ordering::Relaxed);
-            return;
+            return self.release_in_background(key, owner);
         }
         let store = self.clone();
         runtime.spawn(async move {
