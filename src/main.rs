@@ -155,10 +155,12 @@ fn serve(path: &Path) -> anyhow::Result<()> {
         None => None,
     };
     // Runs the store's background tasks (expiry sweeps, Redis subscriptions)
-    // and the signal handling.
+    // and the signal handling. Thread names fit the 15 bytes Linux keeps
+    // (what `top -H`, `ps -L` and perf show): "idemgate-worker-0" would be cut
+    // to "idemgate-worker", the same for every worker.
     let background = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
-        .thread_name("idemgate-background")
+        .thread_name("background")
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
@@ -179,7 +181,7 @@ fn serve(path: &Path) -> anyhow::Result<()> {
         let mut stopped = stopped.clone();
         let (ready, started) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
-            .name(format!("idemgate-worker-{index}"))
+            .name(format!("worker-{index}"))
             .spawn(move || {
                 let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                     Ok(runtime) => runtime,

@@ -385,15 +385,15 @@ impl EmbeddedStore {
         };
         let loading = shared.clone();
         std::thread::Builder::new()
-            .name("idemgate-embedded-filter".into())
+            .name("embedded-filter".into())
             .spawn(move || loading.load_filter())
             .map_err(unavailable)?;
         std::thread::Builder::new()
-            .name("idemgate-embedded-checkpoint".into())
+            .name("embedded-ckpt".into())
             .spawn(move || checkpointer.run(checkpoint_rx))
             .map_err(unavailable)?;
         std::thread::Builder::new()
-            .name("idemgate-embedded-writer".into())
+            .name("embedded-writer".into())
             .spawn(move || writer.run(rx))
             .map_err(unavailable)?;
         Ok(EmbeddedStore { shared, ops, waiters })
