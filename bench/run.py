@@ -6,7 +6,8 @@ pass-through reverse proxy (upstream keepalive on) and idemgate on each
 store, every one on its own loopback port, then runs interleaved rounds of
 wrk (nginx, idemgate, nginx, idemgate, ...) so drift hits both alike.
 Reports requests/s, p50/p99 latency and CPU time per request of each side,
-and the ratios of the medians, as a Markdown table.
+and the ratios of the medians (and of each pair of rounds), as a Markdown
+table.
 
 Needs: wrk, nginx, redis-server (Debian packages) and a release build
 (`cargo build --release`). Only loopback addresses are used.
@@ -395,15 +396,22 @@ def main():
             med = lambda runs, k: statistics.median(r[k] for r in runs)
             ours_median = {k: med(ours, k) for k in ours[0]}
             ours_median["rss"] = rss
+            # Each idemgate round over the nginx round just before it: on a
+            # host whose speed drifts between rounds, the spread says how
+            # far to trust the ratio of the medians.
+            ours_median["rounds"] = sorted(o["rps"] / t["rps"] for o, t in zip(ours, theirs))
             rows.append((scenario, {k: med(theirs, k) for k in theirs[0]}, ours_median))
 
         print(f"\n{os.path.relpath(args.binary, ROOT)}: {args.rounds} interleaved rounds of {args.duration} s, "
               f"{args.connections} connections, {args.threads} wrk threads, {os.cpu_count()} cores; medians.\n")
-        print("| scenario | nginx req/s | idemgate req/s | ratio | nginx p50 / p99 ms | idemgate p50 / p99 ms "
+        print("| scenario | nginx req/s | idemgate req/s | ratio | round by round: median (range) "
+              "| nginx p50 / p99 ms | idemgate p50 / p99 ms "
               "| nginx CPU µs/req | idemgate CPU µs/req | idemgate peak RSS MiB | idemgate non-2xx |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for scenario, n, i in rows:
+            rounds = i["rounds"]
             print(f"| {scenario} | {n['rps']:.0f} | {i['rps']:.0f} | {i['rps'] / n['rps']:.2f}× "
+                  f"| {statistics.median(rounds):.2f}× ({rounds[0]:.2f}–{rounds[-1]:.2f}) "
                   f"| {n['p50']:.2f} / {n['p99']:.2f} | {i['p50']:.2f} / {i['p99']:.2f} "
                   f"| {n['cpu_us']:.1f} | {i['cpu_us']:.1f} | {i['rss']:.0f} | {i['non2xx']:.0f} |")
         if latency:
