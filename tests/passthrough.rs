@@ -121,6 +121,38 @@ async fn hop_by_hop_headers_are_dropped_and_forwarded_headers_set() {
     assert_eq!(seen.get("host").unwrap().to_str().unwrap(), upstream.addr.to_string());
 }
 
+/// HTTP/2 clients may send a `Cookie` field per cookie; the HTTP/1.1 hop
+/// gets them as one line (RFC 9113 §8.2.3), on routes and off.
+#[tokio::test]
+async fn cookies_an_http2_client_splits_reach_the_upstream_joined() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(&upstream.url(), "[[route]]\nname = \"orders\"\npath = \"/orders\"\n").await;
+    let client = support::h2_client();
+    for (path, key) in [("/orders", Some("k-cookies")), ("/elsewhere", None)] {
+        let mut request = http::Request::post(proxy.url(path))
+            .header("cookie", "session=abc")
+            .header("cookie", "csrf=xyz");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        let response = client
+            .request(
+                request
+                    .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(response.version(), http::Version::HTTP_2);
+        assert_eq!(response.status(), StatusCode::CREATED, "{path}");
+    }
+    for seen in upstream.seen() {
+        let cookies: Vec<_> = seen.headers.get_all("cookie").iter().collect();
+        assert_eq!(cookies, ["session=abc; csrf=xyz"]);
+    }
+    assert_eq!(upstream.hits(), 2);
+}
+
 #[tokio::test]
 async fn routes_match_by_host_params_rest_and_method_first_match_wins() {
     let upstream = Upstream::created().await;

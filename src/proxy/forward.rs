@@ -55,6 +55,30 @@ pub fn drop_named<'a>(headers: &mut HeaderMap, values: impl Iterator<Item = &'a 
     }
 }
 
+/// Joins the `Cookie` fields an HTTP/2 client may send one per cookie into
+/// one, separated by "; ", as an HTTP/1.1 hop must see them (RFC 9113
+/// §8.2.3): many backends read only the first `Cookie` line, and would
+/// lose the session or CSRF cookie behind it.
+fn join_cookies(headers: &mut HeaderMap) {
+    let Entry::Occupied(entry) = headers.entry(header::COOKIE) else {
+        return;
+    };
+    if entry.iter().nth(1).is_none() {
+        return;
+    }
+    let mut joined = Vec::with_capacity(entry.iter().map(|v| v.len() + 2).sum());
+    for value in entry.iter() {
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(value.as_bytes());
+    }
+    // Each value was a valid field value, and so is "; ": the whole is too.
+    let joined = HeaderValue::from_bytes(&joined).expect("valid field values joined by \"; \"");
+    drop(entry.remove_entry_mult());
+    headers.insert(header::COOKIE, joined);
+}
+
 /// How the client reached idemgate, for `X-Forwarded-*`.
 #[derive(Clone, Copy, Debug)]
 pub struct Peer {
@@ -83,10 +107,14 @@ pub fn prepare(request: &mut Request<ClientBody>, upstream: &Uri, peer: Peer) {
     let mut parts = upstream.clone().into_parts();
     parts.path_and_query = Some(path);
     *request.uri_mut() = Uri::from_parts(parts).expect("an upstream URL plus a request path is a URI");
+    let from_h2 = request.version() == Version::HTTP_2;
     *request.version_mut() = Version::HTTP_11;
 
     let headers = request.headers_mut();
     strip_hop_by_hop(headers);
+    if from_h2 {
+        join_cookies(headers);
+    }
     // Every earlier hop, from every X-Forwarded-For line, then this client;
     // one lookup of the name whether it is there or not.
     let entry = headers.entry(X_FORWARDED_FOR.clone());
@@ -199,6 +227,34 @@ mod tests {
         h.insert("x-kept", HeaderValue::from_static("1"));
         strip_hop_by_hop(&mut h);
         assert_eq!(h.keys().collect::<Vec<_>>(), ["x-kept"]);
+    }
+
+    #[test]
+    fn cookies_split_by_an_http2_client_are_joined_for_the_http1_hop() {
+        let request = |version| {
+            let mut request = Request::builder()
+                .version(version)
+                .uri("https://rp2.alfred511.top/huggingface/orders")
+                .header(header::COOKIE, "session=abc")
+                .header(header::COOKIE, "csrf=xyz")
+                .header(header::COOKIE, "theme=dark")
+                .body(ClientBody::whole(bytes::Bytes::new()))
+                .unwrap();
+            let peer = Peer {
+                addr: "127.0.0.1:9".parse().unwrap(),
+                tls: false,
+            };
+            prepare(&mut request, &Uri::from_static("http://127.0.0.1:8080"), peer);
+            request
+                .headers()
+                .get_all(header::COOKIE)
+                .iter()
+                .map(|v| v.to_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(request(Version::HTTP_2), ["session=abc; csrf=xyz; theme=dark"]);
+        // An HTTP/1.1 client's lines go as sent, as nginx passes them.
+        assert_eq!(request(Version::HTTP_11), ["session=abc", "csrf=xyz", "theme=dark"]);
     }
 
     #[test]
