@@ -609,7 +609,14 @@ fn framing(
         // 9112 §6.1).
         let mut codings = wire::tokens(headers, header::TRANSFER_ENCODING);
         if minor == 1 && codings.next().is_some_and(|t| t.eq_ignore_ascii_case("chunked")) && codings.next().is_none() {
-            return Ok((Framing::Chunked(Chunked::Size), keep_alive));
+            // With a Content-Length beside it, the chunked coding frames
+            // the body, but the upstream may have meant the other framing:
+            // what follows on this connection cannot be trusted (RFC 9112
+            // §6.3), so it is not reused.
+            return Ok((
+                Framing::Chunked(Chunked::Size),
+                keep_alive && noted.content_lengths == 0,
+            ));
         }
         return Err(UpstreamError::Protocol(
             "the response's transfer coding is not chunked alone",
