@@ -769,6 +769,13 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
     }))
 }
 
+/// Whether a `Host` value is one (RFC 9112 §3.2: `uri-host [":" port]`, or
+/// empty when the target has no authority); user info is refused too, as
+/// nginx does.
+fn valid_host(value: &[u8]) -> bool {
+    value.is_empty() || (!value.contains(&b'@') && http::uri::Authority::try_from(value).is_ok())
+}
+
 /// A request's body framing (RFC 9112 §6), whether the connection may
 /// carry another request, and whether the client waits for `100 Continue`.
 fn framing(headers: &HeaderMap, noted: &wire::Noted, version: Version) -> Result<(BodyFraming, bool, bool), Refusal> {
@@ -780,6 +787,14 @@ fn framing(headers: &HeaderMap, noted: &wire::Noted, version: Version) -> Result
     }
     if noted.hosts > 1 {
         return Err(Refusal::BadRequest("a request has one host header, not more"));
+    }
+    // It picks the route (by host) and travels on as X-Forwarded-Host.
+    if noted.hosts == 1
+        && headers
+            .get(header::HOST)
+            .is_some_and(|host| !valid_host(host.as_bytes()))
+    {
+        return Err(Refusal::BadRequest("the host header is not a host"));
     }
     let expect_continue = version == Version::HTTP_11
         && noted.expect
@@ -891,6 +906,20 @@ mod tests {
         assert!(refused("GET / HTTP/1.0\r\nhost: a\r\nhost: a\r\n\r\n"));
         assert!(!refused("GET / HTTP/1.0\r\n\r\n"));
         assert!(!refused("GET / HTTP/1.1\r\nhost: a\r\n\r\n"));
+        // One, and a host.
+        for host in ["a b", "x/y@z", "user@a", "a?b", "a#b", "[::1"] {
+            assert!(refused(&format!("GET / HTTP/1.1\r\nhost: {host}\r\n\r\n")), "{host}");
+        }
+        for host in [
+            "",
+            "a.example",
+            "a.example:8080",
+            "127.0.0.1:80",
+            "[::1]:8080",
+            "xn--bcher-kva.example",
+        ] {
+            assert!(!refused(&format!("GET / HTTP/1.1\r\nhost: {host}\r\n\r\n")), "{host}");
+        }
     }
 
     #[test]
