@@ -301,13 +301,16 @@ impl<S: AsyncRead + AsyncWrite + Reset + Unpin> Connection<S> {
     /// from when it was first waited for.
     async fn read_head(&mut self, first: bool) -> Result<Read, Refusal> {
         let mut deadline = None;
+        let mut lines = LineWatch::default();
         loop {
             if !self.rbuf.is_empty() {
                 if first && self.rbuf.starts_with(H2_PREFACE) {
                     return Ok(Read::Http2);
                 } else if first && self.rbuf.len() < H2_PREFACE.len() && H2_PREFACE.starts_with(&self.rbuf) {
                     // Maybe the HTTP/2 preface: wait for all of it.
-                } else if let Some(head) = parse_head(&mut self.rbuf)? {
+                } else if lines.ended_another(&self.rbuf)
+                    && let Some(head) = parse_head(&mut self.rbuf)?
+                {
                     return Ok(Read::Head(head));
                 } else if self.rbuf.len() > MAX_HEAD {
                     return Err(Refusal::HeadTooLarge);
@@ -720,6 +723,26 @@ enum Fed {
     Gone,
 }
 
+/// Tells when a head being read is worth parsing again: only once a line
+/// has ended since the last look (a head is complete only at a line's end,
+/// and a bad line is refused at its end). Parsing after every read instead
+/// let a client that sends a 64 KiB head a byte at a time make the server
+/// scan ~2 GB; this way the parses are at most one per line, and a head
+/// has at most `MAX_HEADERS` + 2 of them before it is refused.
+#[derive(Default)]
+struct LineWatch {
+    /// How much of the buffer has been looked at.
+    seen: usize,
+}
+
+impl LineWatch {
+    fn ended_another(&mut self, buf: &[u8]) -> bool {
+        let new = buf.get(self.seen..).unwrap_or_default();
+        self.seen = buf.len();
+        new.contains(&b'\n')
+    }
+}
+
 /// Parses a head from the front of `buf` and takes it out; `None` when the
 /// head is not complete yet.
 fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
@@ -896,6 +919,36 @@ mod tests {
             false => wire.replacen("\r\n", "\r\nhost: a\r\n", 1),
         };
         parse_head(&mut BytesMut::from(&wire[..]))
+    }
+
+    #[test]
+    fn a_head_sent_a_byte_at_a_time_is_parsed_once_a_line() {
+        let wire = b"POST /orders HTTP/1.1\r\nhost: a\r\ncontent-length: 2\r\nx-a: 1\r\n\r\n{}";
+        let (mut buf, mut lines, mut parses) = (BytesMut::new(), LineWatch::default(), 0);
+        let mut head = None;
+        for &byte in wire {
+            buf.extend_from_slice(&[byte]);
+            if head.is_none() && lines.ended_another(&buf) {
+                parses += 1;
+                head = parse_head(&mut buf).unwrap();
+            }
+        }
+        let head = head.expect("parsed once the blank line came");
+        assert_eq!(head.request.uri.path(), "/orders");
+        assert_eq!(&buf[..], b"{}");
+        // The request line, three fields and the blank line.
+        assert_eq!(parses, 5);
+        // A bad line is still refused at its end, before the head's.
+        let (mut buf, mut lines) = (BytesMut::new(), LineWatch::default());
+        let mut refused = false;
+        for &byte in b"GET / HTTP/1.1\r\nbad header\r\n" {
+            buf.extend_from_slice(&[byte]);
+            if lines.ended_another(&buf) && parse_head(&mut buf).is_err() {
+                refused = true;
+                break;
+            }
+        }
+        assert!(refused);
     }
 
     #[test]
