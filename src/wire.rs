@@ -100,10 +100,13 @@ pub fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Fram
                 let line = buf.split_to(end + 2).freeze();
                 let colon = line.iter().position(|b| *b == b':').ok_or_else(bad)?;
                 let name = HeaderName::from_bytes(&line[..colon]).map_err(|_| bad())?;
-                let value = line.slice(colon + 1..end);
-                let start = value.iter().take_while(|b| b.is_ascii_whitespace()).count();
-                let trimmed = value.slice(start..);
-                let value = HeaderValue::from_bytes(trimmed.trim_ascii_end()).map_err(|_| bad())?;
+                // Optional whitespace is spaces and tabs only (RFC 9110
+                // §5.6.3): a bare CR or LF is refused, never trimmed away.
+                let blank = |b: &u8| *b == b' ' || *b == b'\t';
+                let value = &line[colon + 1..end];
+                let start = value.iter().take_while(|b| blank(b)).count();
+                let stop = value.len() - value[start..].iter().rev().take_while(|b| blank(b)).count();
+                let value = HeaderValue::from_bytes(&value[start..stop]).map_err(|_| bad())?;
                 trailers.try_append(name, value).map_err(|_| bad())?;
             }
             Chunked::Done => return Ok(None),
@@ -526,6 +529,15 @@ mod tests {
         let (data, _, done) = chunks(b"5\r\nhel");
         assert_eq!(data, b"hel");
         assert!(!done);
+
+        // Blanks around a value are spaces and tabs; a bare CR or LF is
+        // refused, not trimmed into a line another parser would split.
+        let (_, trailers, _) = chunks(b"0\r\nx-sum:\t 6\t\r\n\r\n");
+        assert_eq!(trailers.unwrap()["x-sum"], "6");
+        for wire in [&b"0\r\nx:\nfoo: b\r\n\r\n"[..], b"0\r\nx: a\r\r\n\r\n"] {
+            let mut state = Chunked::Size;
+            assert!(next_chunk(&mut state, &mut BytesMut::from(wire)).is_err());
+        }
     }
 
     #[test]
