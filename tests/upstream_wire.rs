@@ -72,6 +72,9 @@ fn script(path: &str) -> (&'static [u8], bool) {
             b"HTTP/1.1 200 OK\r\nConnection: close, \xe9\r\ncontent-length: 9\r\n\r\nclose-obs",
             false,
         ),
+        // The first request on a connection is answered; a later one is
+        // read and the connection closed unanswered (see `raw_upstream`).
+        "/dropped" | "/dropped-claimed" => (b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\ndropped", false),
         _ => (b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n", false),
     }
 }
@@ -98,7 +101,7 @@ async fn raw_upstream() -> RawUpstream {
             let (seen, hung_up) = (seen.clone(), hung_up.clone());
             tokio::spawn(async move {
                 let mut buf = Vec::new();
-                loop {
+                for served in 0.. {
                     // One request: its head, then its content-length body.
                     let head_end = loop {
                         if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
@@ -128,6 +131,11 @@ async fn raw_upstream() -> RawUpstream {
                     seen.lock().unwrap().push(buf[head_end..head_end + length].to_vec());
                     let path = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
                     buf.drain(..head_end + length);
+                    // An idle connection the upstream closes as the next
+                    // request reaches it.
+                    if path.starts_with("/dropped") && served > 0 {
+                        return;
+                    }
                     let (answer, close) = script(&path);
                     if socket.write_all(answer).await.is_err() || close {
                         return;
@@ -218,6 +226,38 @@ async fn every_framing_arrives_whole_and_connections_are_reused() {
     assert_eq!(upstream.connections.load(Ordering::SeqCst), 5);
 
     assert_eq!(get("/garbage").await.status, StatusCode::BAD_GATEWAY);
+}
+
+/// A pooled connection the upstream closes as a request reaches it (the
+/// race between its idle timer and the proxy's reuse): an idempotent
+/// request no route claims goes again on a new connection, once, as with
+/// nginx; a POST, or a claimed exchange, is never sent twice.
+#[tokio::test]
+async fn a_request_the_upstream_dropped_on_a_pooled_connection_goes_again_only_if_idempotent() {
+    let (upstream, proxy) = behind_proxy("[[route]]\nname = \"claimed\"\npath = \"/dropped-claimed\"\n").await;
+    let client = TestClient::default();
+    let sent = || upstream.bodies.lock().unwrap().len();
+    let connections = || upstream.connections.load(Ordering::SeqCst);
+    // The first GET on a new connection; the second on it, dropped, and
+    // sent again on another.
+    for _ in 0..2 {
+        let answer = client.send("GET", &proxy.url("/dropped"), &[], "").await;
+        assert_eq!((answer.status, answer.text().as_str()), (StatusCode::OK, "dropped"));
+    }
+    assert_eq!((sent(), connections()), (3, 2));
+    // A POST no route claims, on the pooled connection: dropped, not resent.
+    let post = client.send("POST", &proxy.url("/dropped"), &[], "x").await;
+    assert_eq!(post.status, StatusCode::BAD_GATEWAY);
+    assert_eq!((sent(), connections()), (4, 2));
+    // A claimed POST: answered on a new connection; the next key's, on the
+    // pooled one, is dropped and not resent.
+    assert_eq!(
+        client.post(&proxy.url("/dropped-claimed"), "d1", "{}").await.status,
+        StatusCode::OK
+    );
+    let dropped = client.post(&proxy.url("/dropped-claimed"), "d2", "{}").await;
+    assert_eq!(dropped.status, StatusCode::BAD_GATEWAY, "{}", dropped.text());
+    assert_eq!((sent(), connections()), (6, 3));
 }
 
 #[tokio::test]

@@ -27,6 +27,7 @@ use tokio_util::task::TaskTracker;
 
 use super::body::{BodySender, ClientBody, ResponseBody};
 use super::problem::Problem;
+use super::upstream::OnStale;
 use super::{Context, LiveRoute};
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
 use crate::store::{Fingerprint, Outcome, Owner, Record, RecordKey, StoreHandle, StoredResponse};
@@ -435,7 +436,7 @@ impl Exchange {
         let started = guard.claimed_at;
         let deadline = started + timeout;
         let sent = guard
-            .renewing_until(deadline, std::pin::pin!(context.client.request(request)))
+            .renewing_until(deadline, std::pin::pin!(context.client.request(request, OnStale::Fail)))
             .await;
         context.metrics.upstream_latency.observe(started.elapsed());
         let response = match sent {

@@ -510,7 +510,11 @@ impl Gateway {
         // Boxed: inline, the upstream request (~2 KB) would size the future
         // of every request, including the idempotent ones that reach this
         // path only to refuse or bypass.
-        let sent = tokio::time::timeout_at(deadline, Box::pin(self.context.client.request(request))).await;
+        let sent = tokio::time::timeout_at(
+            deadline,
+            Box::pin(self.context.client.request(request, upstream::OnStale::Resend)),
+        )
+        .await;
         self.context.metrics.upstream_latency.observe(started.elapsed());
         match sent {
             Ok(Ok(response)) => {

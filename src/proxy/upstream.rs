@@ -295,10 +295,29 @@ impl Conn {
     }
 }
 
+/// What to do when a request sent on a pooled connection finds it closed:
+/// the upstream hung up on the idle connection as the request reached it,
+/// or just before (a race no check before sending can close).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum OnStale {
+    /// Fail: the upstream may have acted on the request. For the claimed
+    /// exchange, whose claim `on_upstream_failure` then settles.
+    Fail,
+    /// Send it again, once, on a new connection, when its method is
+    /// idempotent (RFC 9110 §9.2.2), its body was read whole, and no byte
+    /// of an answer came: as nginx's `proxy_next_upstream error` and Go's
+    /// client do. For requests no route claims.
+    Resend,
+}
+
 impl UpstreamClient {
     /// Sends `request` (its URI absolute) and returns the response head,
     /// without its hop-by-hop headers; the body is read as it is polled.
-    pub async fn request(&self, request: Request<ClientBody>) -> Result<Response<UpstreamResponseBody>, UpstreamError> {
+    pub async fn request(
+        &self,
+        request: Request<ClientBody>,
+        on_stale: OnStale,
+    ) -> Result<Response<UpstreamResponseBody>, UpstreamError> {
         let (parts, body) = request.into_parts();
         let key = PoolKey {
             client: self.inner.id,
@@ -311,28 +330,30 @@ impl UpstreamClient {
                 .ok_or(UpstreamError::Protocol("the upstream URI has no authority"))?,
             idle_timeout: self.inner.idle_timeout,
         };
-        let mut conn = match checkout(&key) {
-            Some(conn) => conn,
+        let (mut conn, pooled) = match checkout(&key) {
+            Some(conn) => (conn, true),
             // Boxed: a new connection is rare, and its future (a TLS
             // handshake's) would otherwise double this one's size.
-            None => Box::pin(self.connect(&key)).await?,
+            None => (Box::pin(self.connect(&key)).await?, false),
         };
         let head_only = parts.method == Method::HEAD;
-        let sent = write_request(&mut conn, &parts, &key.authority, body).await;
-        let (response, framing, keep_alive) = match sent {
-            Ok(()) => read_head(&mut conn, head_only).await?,
-            // An upstream may answer before it has read the whole body (a
-            // 413, a 401) and then close, so the write fails: its answer,
-            // if it came first, stands (RFC 9112 §9.3). It is there to read
-            // already, or not coming. (Boxed: rare, and the wait would
-            // otherwise make every request's future larger.)
-            Err(UpstreamError::Io(error)) => {
-                match Box::pin(tokio::time::timeout(EARLY_ANSWER_WAIT, read_head(&mut conn, head_only))).await {
-                    Ok(Ok((response, framing, _))) => (response, framing, false),
-                    Ok(Err(_)) | Err(_) => return Err(UpstreamError::Io(error)),
-                }
+        // What to send again should the pooled connection turn out closed
+        // (a whole body's bytes are shared, not copied).
+        let again = match &body {
+            ClientBody::Whole(bytes) if pooled && on_stale == OnStale::Resend && parts.method.is_idempotent() => {
+                Some(ClientBody::Whole(bytes.clone()))
             }
-            Err(error) => return Err(error),
+            _ => None,
+        };
+        let (response, framing, keep_alive) = match send(&mut conn, &parts, &key.authority, body, head_only).await {
+            Err(UpstreamError::Io(error)) if conn.buf.is_empty() && again.is_some() => {
+                tracing::debug!(%error, "a pooled upstream connection was closed; sending again on a new one");
+                let again = again.expect("checked in the guard");
+                // Boxed: rare, as above.
+                conn = Box::pin(self.connect(&key)).await?;
+                Box::pin(send(&mut conn, &parts, &key.authority, again, head_only)).await?
+            }
+            sent => sent?,
         };
         let mut body = UpstreamResponseBody {
             conn: Some(conn),
@@ -451,6 +472,31 @@ fn encode_head(parts: &http::request::Parts, authority: &Authority, length: Opti
 fn reuse_head(head: Vec<u8>) {
     if head.capacity() <= 2 * COALESCE {
         HEAD_BUF.set(head);
+    }
+}
+
+/// Writes the request and reads the answer's head.
+async fn send(
+    conn: &mut Conn,
+    parts: &http::request::Parts,
+    authority: &Authority,
+    body: ClientBody,
+    head_only: bool,
+) -> Result<(Response<()>, Framing, bool), UpstreamError> {
+    match write_request(conn, parts, authority, body).await {
+        Ok(()) => read_head(conn, head_only).await,
+        // An upstream may answer before it has read the whole body (a 413,
+        // a 401) and then close, so the write fails: its answer, if it came
+        // first, stands (RFC 9112 §9.3). It is there to read already, or
+        // not coming. (Boxed: rare, and the wait would otherwise make every
+        // request's future larger.)
+        Err(UpstreamError::Io(error)) => {
+            match Box::pin(tokio::time::timeout(EARLY_ANSWER_WAIT, read_head(conn, head_only))).await {
+                Ok(Ok((response, framing, _))) => Ok((response, framing, false)),
+                Ok(Err(_)) | Err(_) => Err(UpstreamError::Io(error)),
+            }
+        }
+        Err(error) => Err(error),
     }
 }
 
