@@ -91,7 +91,8 @@ async fn hop_by_hop_headers_are_dropped_and_forwarded_headers_set() {
         .write_all(
             b"GET /h HTTP/1.1\r\nhost: api.example.com\r\nconnection: keep-alive, x-client-secret\r\n\
               x-client-secret: 1\r\nkeep-alive: timeout=5\r\nproxy-authorization: basic x\r\nte: trailers\r\n\
-              upgrade: websocket\r\nx-forwarded-for: 203.0.113.9\r\nx-forwarded-for: 198.51.100.7\r\nx-kept: yes\r\n\r\n",
+              upgrade: websocket\r\nx-forwarded-for: 203.0.113.9\r\nx-forwarded-for: 198.51.100.7\r\nx-kept: yes\r\n\
+              expect: 100-continue\r\n\r\n",
         )
         .await
         .unwrap();
@@ -108,7 +109,14 @@ async fn hop_by_hop_headers_are_dropped_and_forwarded_headers_set() {
     assert!(!response.contains("keep-alive: timeout"), "{response}");
 
     let seen = &upstream.seen()[0].headers;
-    for gone in ["x-client-secret", "keep-alive", "proxy-authorization", "te", "upgrade"] {
+    for gone in [
+        "x-client-secret",
+        "keep-alive",
+        "proxy-authorization",
+        "te",
+        "upgrade",
+        "expect",
+    ] {
         assert!(seen.get(gone).is_none(), "{gone} was forwarded");
     }
     assert_eq!(seen.get("x-kept").unwrap(), "yes");

@@ -112,6 +112,10 @@ pub fn prepare(request: &mut Request<ClientBody>, upstream: &Uri, peer: Peer) {
 
     let headers = request.headers_mut();
     strip_hop_by_hop(headers);
+    // The listener answered the expectation (or had no need to): the body
+    // goes without waiting, and an upstream that knows no expectations
+    // would answer 417. nginx drops it too.
+    headers.remove(header::EXPECT);
     if from_h2 {
         join_cookies(headers);
     }
