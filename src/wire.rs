@@ -257,6 +257,8 @@ pub fn append_headers(
 pub struct Noted {
     /// `Host` lines.
     pub hosts: usize,
+    /// A `Host` whose value is not a host (see [`valid_host`]).
+    pub bad_host: bool,
     /// `Content-Length` lines.
     pub content_lengths: usize,
     /// The first `Content-Length` line's value, when it is a plain number.
@@ -298,6 +300,7 @@ impl Noted {
             }
         } else if name == header::HOST {
             self.hosts += 1;
+            self.bad_host |= !valid_host(value.as_bytes());
         } else if name == header::TRANSFER_ENCODING {
             self.transfer_encoding = true;
         } else if name == header::EXPECT {
@@ -315,6 +318,47 @@ impl Noted {
         }
     }
 }
+
+/// Whether a `Host` value is one (RFC 9112 §3.2): `uri-host [":" port]`,
+/// or empty when the target has no authority. The host is a name or IPv4
+/// address (RFC 3986's unreserved, pct-encoded and sub-delims characters)
+/// or a bracketed IP literal, the port digits. User info (`@`), paths,
+/// queries, spaces and controls are refused, as nginx refuses them.
+pub fn valid_host(value: &[u8]) -> bool {
+    if let Some(literal) = value.strip_prefix(b"[") {
+        let Some(end) = literal.iter().position(|&b| b == b']') else {
+            return false;
+        };
+        let address = &literal[..end];
+        return !address.is_empty()
+            && address.iter().all(|&b| b.is_ascii_hexdigit() || b == b':' || b == b'.')
+            && is_port(&literal[end + 1..]);
+    }
+    // A table lookup a byte (the colon allowed), then the port's digits.
+    value.iter().all(|&b| HOST_NAME[usize::from(b)])
+        && value
+            .iter()
+            .position(|&b| b == b':')
+            .is_none_or(|colon| is_port(&value[colon..]))
+}
+
+/// Nothing, or a colon and digits.
+fn is_port(port: &[u8]) -> bool {
+    port.is_empty() || (port[0] == b':' && port[1..].iter().all(u8::is_ascii_digit))
+}
+
+/// The bytes of a reg-name or IPv4 address (unreserved, sub-delims and
+/// `%`), and the colon before a port.
+static HOST_NAME: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        table[b] = matches!(b as u8, b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' | b'%'
+            | b'!' | b'$' | b'&' | b'\'' | b'(' | b')' | b'*' | b'+' | b',' | b';' | b'=' | b':');
+        b += 1;
+    }
+    table
+};
 
 /// The `content-length` (RFC 9112 §6.3): repeats of one value are one
 /// value; differing, empty or malformed values (not ASCII digits) are

@@ -17,19 +17,27 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
-/// Removes hop-by-hop headers, including every header `Connection` names.
+/// Removes hop-by-hop headers, including every header `Connection` names,
+/// and `Expect`: the listener answered the expectation (or had no need
+/// to), the body goes without waiting, and an upstream that knows no
+/// expectations would answer 417. nginx drops it too.
 ///
 /// A head usually has none, or just `Connection: keep-alive`: one pass over
 /// the names tells which, with nothing allocated, and each removal is a
 /// hash and a probe.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let (mut connection, mut others) = (false, false);
+    let (mut connection, mut others, mut expect) = (false, false, false);
     for name in headers.keys() {
         if name == header::CONNECTION {
             connection = true;
+        } else if name == header::EXPECT {
+            expect = true;
         } else if is_hop_by_hop(name) {
             others = true;
         }
+    }
+    if expect {
+        headers.remove(header::EXPECT);
     }
     if connection && let Entry::Occupied(entry) = headers.entry(header::CONNECTION) {
         // Its values as they are removed: one lookup.
@@ -112,10 +120,6 @@ pub fn prepare(request: &mut Request<ClientBody>, upstream: &Uri, peer: Peer) {
 
     let headers = request.headers_mut();
     strip_hop_by_hop(headers);
-    // The listener answered the expectation (or had no need to): the body
-    // goes without waiting, and an upstream that knows no expectations
-    // would answer 417. nginx drops it too.
-    headers.remove(header::EXPECT);
     if from_h2 {
         join_cookies(headers);
     }

@@ -339,21 +339,35 @@ impl UpstreamClient {
         let head_only = parts.method == Method::HEAD;
         // What to send again should the pooled connection turn out closed
         // (a whole body's bytes are shared, not copied).
-        let again = match &body {
+        let mut again = match &body {
             ClientBody::Whole(bytes) if pooled && on_stale == OnStale::Resend && parts.method.is_idempotent() => {
                 Some(ClientBody::Whole(bytes.clone()))
             }
             _ => None,
         };
-        let (response, framing, keep_alive) = match send(&mut conn, &parts, &key.authority, body, head_only).await {
-            Err(UpstreamError::Io(error)) if conn.buf.is_empty() && again.is_some() => {
-                tracing::debug!(%error, "a pooled upstream connection was closed; sending again on a new one");
-                let again = again.expect("checked in the guard");
-                // Boxed: rare, as above.
-                conn = Box::pin(self.connect(&key)).await?;
-                Box::pin(send(&mut conn, &parts, &key.authority, again, head_only)).await?
+        let mut to_send = Some(body);
+        let (response, framing, keep_alive) = loop {
+            let body = to_send.take().expect("a body for each attempt");
+            let sent = match write_request(&mut conn, &parts, &key.authority, body).await {
+                Ok(()) => read_head(&mut conn, head_only).await,
+                // An upstream may answer before it has read the whole body
+                // (a 413, a 401) and then close, so the write fails: its
+                // answer, if it came first, stands (RFC 9112 §9.3). (Boxed:
+                // rare, and the wait would otherwise make every request's
+                // future larger.)
+                Err(UpstreamError::Io(error)) => Box::pin(early_answer(&mut conn, head_only, error)).await,
+                Err(error) => Err(error),
+            };
+            match sent {
+                Ok(head) => break head,
+                Err(UpstreamError::Io(error)) if conn.buf.is_empty() && again.is_some() => {
+                    tracing::debug!(%error, "a pooled upstream connection was closed; sending again on a new one");
+                    to_send = again.take();
+                    // Boxed: rare, as above.
+                    conn = Box::pin(self.connect(&key)).await?;
+                }
+                Err(error) => return Err(error),
             }
-            sent => sent?,
         };
         let mut body = UpstreamResponseBody {
             conn: Some(conn),
@@ -475,28 +489,17 @@ fn reuse_head(head: Vec<u8>) {
     }
 }
 
-/// Writes the request and reads the answer's head.
-async fn send(
+/// The answer an upstream sent before the request's write failed, if it
+/// is there to read already or comes within [`EARLY_ANSWER_WAIT`]; the
+/// write's error if not. Such an answer ends its connection.
+async fn early_answer(
     conn: &mut Conn,
-    parts: &http::request::Parts,
-    authority: &Authority,
-    body: ClientBody,
     head_only: bool,
+    error: io::Error,
 ) -> Result<(Response<()>, Framing, bool), UpstreamError> {
-    match write_request(conn, parts, authority, body).await {
-        Ok(()) => read_head(conn, head_only).await,
-        // An upstream may answer before it has read the whole body (a 413,
-        // a 401) and then close, so the write fails: its answer, if it came
-        // first, stands (RFC 9112 §9.3). It is there to read already, or
-        // not coming. (Boxed: rare, and the wait would otherwise make every
-        // request's future larger.)
-        Err(UpstreamError::Io(error)) => {
-            match Box::pin(tokio::time::timeout(EARLY_ANSWER_WAIT, read_head(conn, head_only))).await {
-                Ok(Ok((response, framing, _))) => Ok((response, framing, false)),
-                Ok(Err(_)) | Err(_) => Err(UpstreamError::Io(error)),
-            }
-        }
-        Err(error) => Err(error),
+    match tokio::time::timeout(EARLY_ANSWER_WAIT, read_head(conn, head_only)).await {
+        Ok(Ok((response, framing, _))) => Ok((response, framing, false)),
+        Ok(Err(_)) | Err(_) => Err(UpstreamError::Io(error)),
     }
 }
 
