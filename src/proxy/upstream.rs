@@ -648,6 +648,10 @@ fn framing(
     let keep_alive = !noted.close && (minor == 1 || noted.keep_alive);
     let status = response.status();
     if head_only || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+        // No body, but a HEAD's or a 304's Content-Length is passed on:
+        // checked as for any answer, so no garbled or conflicting value
+        // reaches the client (nginx refuses those too).
+        noted.content_length(headers).map_err(UpstreamError::Protocol)?;
         return Ok((Framing::Empty, keep_alive));
     }
     if noted.transfer_encoding {
@@ -868,6 +872,17 @@ mod tests {
             (Framing::Empty, true)
         ));
         assert!(matches!(f(&response(204, &[]), false, 1), (Framing::Empty, true)));
+        // Bodiless, but the length is still one number.
+        assert!(matches!(
+            f(&response(304, &[("content-length", "7, 7")]), false, 1),
+            (Framing::Empty, true)
+        ));
+        for (status, head) in [(304, false), (200, true)] {
+            for length in ["1, 2", "x", "-1"] {
+                let answer = response(status, &[("content-length", length)]);
+                assert!(framing(&answer, head, 1).is_err(), "{status} {length}");
+            }
+        }
         assert!(matches!(
             f(&response(200, &[("transfer-encoding", "Chunked")]), false, 1),
             (Framing::Chunked(_), true)
