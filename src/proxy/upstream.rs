@@ -345,9 +345,8 @@ impl UpstreamClient {
             }
             _ => None,
         };
-        let mut to_send = Some(body);
+        let mut body = body;
         let (response, framing, keep_alive) = loop {
-            let body = to_send.take().expect("a body for each attempt");
             let sent = match write_request(&mut conn, &parts, &key.authority, body).await {
                 Ok(()) => read_head(&mut conn, head_only).await,
                 // An upstream may answer before it has read the whole body
@@ -362,7 +361,7 @@ impl UpstreamClient {
                 Ok(head) => break head,
                 Err(UpstreamError::Io(error)) if conn.buf.is_empty() && again.is_some() => {
                     tracing::debug!(%error, "a pooled upstream connection was closed; sending again on a new one");
-                    to_send = again.take();
+                    body = again.take().expect("checked in the guard");
                     // Boxed: rare, as above.
                     conn = Box::pin(self.connect(&key)).await?;
                 }

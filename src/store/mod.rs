@@ -595,9 +595,7 @@ impl StoreHandle {
                 return;
             }
             tracing::debug!(key = %key.tag(), "a claim answered after its timeout is released");
-            if let Err(error) = store.release(&key, owner).await {
-                tracing::warn!(key = %key.tag(), %error, "releasing a claim answered after its timeout failed");
-            }
+            store.release_abandoned(key, owner).await;
         });
     }
 
@@ -628,11 +626,15 @@ impl StoreHandle {
             return;
         };
         let store = self.clone();
-        runtime.spawn(async move {
-            if let Err(error) = store.release(&key, owner).await {
-                tracing::warn!(key = %key.tag(), %error, "releasing an abandoned claim failed");
-            }
-        });
+        runtime.spawn(async move { store.release_abandoned(key, owner).await });
+    }
+
+    /// Releases a claim nobody will settle, warning (by the key's tag) if
+    /// the store fails to: its lease then ends it.
+    async fn release_abandoned(&self, key: RecordKey, owner: Owner) {
+        if let Err(error) = self.release(&key, owner).await {
+            tracing::warn!(key = %key.tag(), %error, "releasing an abandoned claim failed");
+        }
     }
 
     pub async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {
