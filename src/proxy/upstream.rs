@@ -8,6 +8,10 @@
 //! small answer usually arrives with its head, and its body is then taken
 //! from the same read.
 //!
+//! A request is sent once; only one no route claims, with an idempotent
+//! method and a whole body, goes again on a new connection when its pooled
+//! one turns out closed before any answer ([`OnStale`]).
+//!
 //! An idle connection is checked before reuse without a system call when
 //! possible: the runtime knows whether the socket became readable (an EOF
 //! or stray bytes) since the last response was read to its end.
