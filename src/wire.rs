@@ -43,7 +43,7 @@ pub fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Fram
                     Some(end) if end <= MAX_SIZE_LINE => end,
                     Some(_) => return Err(bad()),
                     // (Its CR may be in, its LF not yet.)
-                    None if buf.len() > MAX_SIZE_LINE + 1 => return Err(bad()),
+                    None if buf.len() > MAX_SIZE_LINE + 1 || bare_cr_or_lf(buf) => return Err(bad()),
                     None => return Ok(None),
                 };
                 let size = chunk_size(&buf[..end]).ok_or_else(bad)?;
@@ -68,7 +68,13 @@ pub fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Fram
             }
             Chunked::DataEnd => {
                 if buf.len() < 2 {
-                    return Ok(None);
+                    // A lone byte that is not the CR: refused now, not
+                    // once a second byte comes (or never does).
+                    return if buf.first().is_some_and(|&b| b != b'\r') {
+                        Err(bad())
+                    } else {
+                        Ok(None)
+                    };
                 }
                 if &buf[..2] != b"\r\n" {
                     return Err(bad());
@@ -78,7 +84,7 @@ pub fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Fram
             }
             Chunked::Trailers(trailers, size) => {
                 let Some(end) = line_end(buf) else {
-                    return if *size + buf.len() > MAX_HEAD {
+                    return if *size + buf.len() > MAX_HEAD || bare_cr_or_lf(buf) {
                         Err(bad())
                     } else {
                         Ok(None)
@@ -406,6 +412,15 @@ fn line_end(buf: &[u8]) -> Option<usize> {
     buf.windows(2).position(|w| w == b"\r\n")
 }
 
+/// Whether `partial`, the start of a line whose CRLF has not come, holds a
+/// CR or LF that cannot be part of it (any but a CR at the very end): such
+/// a line is malformed whatever follows, so it is refused at once rather
+/// than waited on until the read times out.
+fn bare_cr_or_lf(partial: &[u8]) -> bool {
+    let before_last_cr = partial.strip_suffix(b"\r").unwrap_or(partial);
+    before_last_cr.iter().any(|&b| b == b'\r' || b == b'\n')
+}
+
 /// `n` in decimal, written into `buf` without the formatting machinery.
 pub fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
     let mut at = buf.len();
@@ -677,6 +692,36 @@ mod tests {
         let mut state = Chunked::Size;
         let mut buf = BytesMut::from(&b"2;\nxx\r\nab\r\n0\r\n\r\n"[..]);
         assert!(next_chunk(&mut state, &mut buf).is_err());
+    }
+
+    #[test]
+    fn a_bare_cr_or_lf_is_refused_before_the_line_ends() {
+        // Each malformed before its CRLF comes (which may be never): refused
+        // at once, not waited on.
+        for wire in [
+            &b"5\n"[..],
+            b"5\nhel",
+            b"5\rx",
+            b"5\r\nhello\n",
+            b"5\r\nhello\r\n0\n",
+            b"0\r\nx: a\n",
+            b"0\r\nx: a\rb",
+        ] {
+            let mut state = Chunked::Size;
+            let mut buf = BytesMut::from(wire);
+            let read = std::iter::from_fn(|| Some(next_chunk(&mut state, &mut buf)))
+                .take_while(|r| !matches!(r, Ok(None)))
+                .find(Result::is_err);
+            assert!(read.is_some(), "{wire:?}");
+        }
+        // A CR at the end may be the CRLF's: wait for its LF.
+        for wire in [&b"5\r"[..], b"5\r\nhello\r", b"0\r\nx: a\r"] {
+            let mut state = Chunked::Size;
+            let mut buf = BytesMut::from(wire);
+            while let Some(frame) = next_chunk(&mut state, &mut buf).unwrap() {
+                drop(frame);
+            }
+        }
     }
 
     #[test]
