@@ -160,19 +160,40 @@ async fn heads_that_could_smuggle_a_request_are_refused() {
     assert_eq!(upstream.hits(), 0);
 }
 
+/// Heads the listener cannot serve get nginx's statuses, each a problem
+/// document, and reach nobody.
 #[tokio::test]
 async fn oversized_heads_get_431() {
     let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
     let proxy = Proxy::start(&upstream.url(), "").await;
-    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
-    let wire = format!("GET / HTTP/1.1\r\nhost: x\r\nx-big: {}\r\n\r\n", "a".repeat(70 * 1024));
-    let seen = until_close(&mut stream, wire.as_bytes()).await;
-    assert!(seen.starts_with("HTTP/1.1 431"), "{seen}");
-
-    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
     let many: String = (0..200).map(|i| format!("x-{i}: 1\r\n")).collect();
-    let seen = until_close(&mut stream, format!("GET / HTTP/1.1\r\n{many}\r\n").as_bytes()).await;
-    assert!(seen.starts_with("HTTP/1.1 431"), "{seen}");
+    for (wire, status, slug) in [
+        (
+            format!("GET / HTTP/1.1\r\nhost: x\r\nx-big: {}\r\n\r\n", "a".repeat(70 * 1024)),
+            431,
+            "head-too-large",
+        ),
+        (format!("GET / HTTP/1.1\r\n{many}\r\n"), 431, "head-too-large"),
+        // The request line alone is too long: sent whole, and cut short.
+        (
+            format!("GET /{} HTTP/1.1\r\nhost: x\r\n\r\n", "a".repeat(70 * 1024)),
+            414,
+            "uri-too-long",
+        ),
+        (format!("GET /{}", "a".repeat(70 * 1024)), 414, "uri-too-long"),
+        (
+            "POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip, chunked\r\n\r\n".into(),
+            501,
+            "coding-not-implemented",
+        ),
+        ("GET / HTTP/2.0\r\nhost: x\r\n\r\n".into(), 505, "version-not-supported"),
+    ] {
+        let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+        let seen = until_close(&mut stream, wire.as_bytes()).await;
+        assert!(seen.starts_with(&format!("HTTP/1.1 {status}")), "{seen}");
+        assert!(seen.contains("application/problem+json"), "{seen}");
+        assert!(seen.contains(&format!("urn:idemgate:problem:{slug}")), "{seen}");
+    }
     assert_eq!(upstream.hits(), 0);
 }
 

@@ -9,10 +9,13 @@
 //! What it guarantees, as a server in front of an unmodified backend must:
 //!
 //! - framing by RFC 9112 §6: `Transfer-Encoding` with `Content-Length`,
-//!   conflicting or malformed lengths, any transfer coding but exactly
-//!   `chunked`, or any transfer coding on HTTP/1.0 is refused with 400 and
-//!   the connection closed, and chunk-size lines are read strictly, so no
-//!   request can be smuggled past the gateway;
+//!   conflicting or malformed lengths, codings that do not end in one
+//!   `chunked`, or any transfer coding on HTTP/1.0 is refused with 400 (a
+//!   coding before a final `chunked` with 501) and the connection closed,
+//!   and chunk-size lines are read strictly, so no request can be smuggled
+//!   past the gateway;
+//! - a head over `MAX_HEAD` gets 431 (414 when its request line alone is),
+//!   a version besides HTTP/1.0 and 1.1 gets 505, each a problem document;
 //! - a head must arrive within `header_read_timeout` (an idle keep-alive
 //!   connection too); a body that stops arriving, and an answer the client
 //!   stops reading, are cut off after as long without progress;
@@ -196,10 +199,63 @@ enum Read {
 }
 
 /// A head that cannot be served: answered, then the connection closed.
+/// The statuses are nginx's and RFC 9112's.
 #[derive(Debug)]
 enum Refusal {
+    /// 400.
     BadRequest(&'static str),
+    /// 431: over `MAX_HEAD` bytes or `MAX_HEADERS` fields.
     HeadTooLarge,
+    /// 414: a request line over `MAX_HEAD` bytes on its own.
+    UriTooLong,
+    /// 501: a transfer coding besides a final `chunked` (RFC 9112 §6.1).
+    CodingNotImplemented,
+    /// 505: a well-formed version that is not HTTP/1.0 or HTTP/1.1.
+    VersionNotSupported,
+}
+
+impl Refusal {
+    /// The refusal of a head over `MAX_HEAD` bytes, `buf` its start: 414
+    /// when the request line alone is that long, else 431.
+    fn too_large(buf: &[u8]) -> Refusal {
+        if buf[..buf.len().min(MAX_HEAD)].contains(&b'\n') {
+            Refusal::HeadTooLarge
+        } else {
+            Refusal::UriTooLong
+        }
+    }
+
+    /// Its `application/problem+json` answer.
+    fn response(self) -> Response<ResponseBody> {
+        let (status, slug, title, detail) = match self {
+            Refusal::BadRequest(why) => return Problem::BadRequest(why.into()).response(),
+            Refusal::HeadTooLarge => (
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "head-too-large",
+                "Request header fields too large",
+                "the request head is over 64 KiB or 128 fields",
+            ),
+            Refusal::UriTooLong => (
+                StatusCode::URI_TOO_LONG,
+                "uri-too-long",
+                "URI too long",
+                "the request line is over 64 KiB",
+            ),
+            Refusal::CodingNotImplemented => (
+                StatusCode::NOT_IMPLEMENTED,
+                "coding-not-implemented",
+                "Transfer coding not implemented",
+                "the only transfer coding accepted is chunked",
+            ),
+            Refusal::VersionNotSupported => (
+                StatusCode::HTTP_VERSION_NOT_SUPPORTED,
+                "version-not-supported",
+                "HTTP version not supported",
+                "the versions served are HTTP/1.0, HTTP/1.1 and HTTP/2",
+            ),
+        };
+        crate::proxy::problem::document(status, slug, title, detail)
+    }
 }
 
 struct Connection<S> {
@@ -313,7 +369,7 @@ impl<S: AsyncRead + AsyncWrite + Reset + Unpin> Connection<S> {
                 {
                     return Ok(Read::Head(head));
                 } else if self.rbuf.len() > MAX_HEAD {
-                    return Err(Refusal::HeadTooLarge);
+                    return Err(Refusal::too_large(&self.rbuf));
                 }
             }
             let idle = self.rbuf.is_empty();
@@ -474,15 +530,8 @@ impl<S: AsyncRead + AsyncWrite + Reset + Unpin> Connection<S> {
 
     /// Answers a head that cannot be served.
     async fn refuse(&mut self, refusal: Refusal) -> io::Result<()> {
-        let response = match refusal {
-            Refusal::BadRequest(why) => Problem::BadRequest(why.into()).response(),
-            Refusal::HeadTooLarge => {
-                let mut response = Response::new(ResponseBody::empty());
-                *response.status_mut() = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
-                response
-            }
-        };
-        self.answer(response, Version::HTTP_11, false, &mut false).await?;
+        self.answer(refusal.response(), Version::HTTP_11, false, &mut false)
+            .await?;
         self.close(true).await;
         Ok(())
     }
@@ -752,10 +801,11 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
     let mut slots = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
     let mut parsed = httparse::Request::new(&mut []);
     let length = match parsed.parse_with_uninit_headers(buf, &mut slots) {
-        Ok(httparse::Status::Complete(length)) if length > MAX_HEAD => return Err(Refusal::HeadTooLarge),
+        Ok(httparse::Status::Complete(length)) if length > MAX_HEAD => return Err(Refusal::too_large(buf)),
         Ok(httparse::Status::Complete(length)) => length,
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(httparse::Error::TooManyHeaders) => return Err(Refusal::HeadTooLarge),
+        Err(httparse::Error::Version) if names_a_version(buf) => return Err(Refusal::VersionNotSupported),
         Err(_) => return Err(Refusal::BadRequest("the request head does not parse")),
     };
     let bad = Refusal::BadRequest;
@@ -795,6 +845,16 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
     }))
 }
 
+/// Whether the request line at the front of `buf` ends in a well-formed
+/// version, `HTTP/<digit>.<digit>` (one httparse does not take: any but 1.0
+/// and 1.1), rather than in garbage.
+fn names_a_version(buf: &[u8]) -> bool {
+    let line = buf.split(|&b| b == b'\n').next().unwrap_or_default();
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let version = line.rsplit(|&b| b == b' ').next().unwrap_or_default();
+    matches!(version, [b'H', b'T', b'T', b'P', b'/', major, b'.', minor] if major.is_ascii_digit() && minor.is_ascii_digit())
+}
+
 /// A request's body framing (RFC 9112 §6), whether the connection may
 /// carry another request, and whether the client waits for `100 Continue`.
 fn framing(headers: &HeaderMap, noted: &wire::Noted, version: Version) -> Result<(BodyFraming, bool, bool), Refusal> {
@@ -830,10 +890,24 @@ fn framing(headers: &HeaderMap, noted: &wire::Noted, version: Version) -> Result
         let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter().map(|v| v.to_str());
         let only_chunked = matches!(codings.next(), Some(Ok(v)) if v.trim().eq_ignore_ascii_case("chunked"))
             && codings.next().is_none();
-        if !only_chunked {
-            return Err(bad("the only transfer coding accepted is chunked"));
+        if only_chunked {
+            return Ok((BodyFraming::Chunked, keep_alive, expect_continue));
         }
-        return Ok((BodyFraming::Chunked, keep_alive, expect_continue));
+        // Codings before a final, single `chunked` would frame the body
+        // well but are not implemented (501); any other list leaves its
+        // length unknown (400, RFC 9112 §6.3).
+        let listed = wire::tokens(headers, header::TRANSFER_ENCODING);
+        let (count, chunked, last) = listed.fold((0, 0, ""), |(n, c, _), t| {
+            (n + 1, c + usize::from(t.eq_ignore_ascii_case("chunked")), t)
+        });
+        let text = headers
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .all(|v| v.to_str().is_ok());
+        if text && count > 1 && chunked == 1 && last.eq_ignore_ascii_case("chunked") {
+            return Err(Refusal::CodingNotImplemented);
+        }
+        return Err(bad("the transfer coding does not end in chunked"));
     }
     let length = noted.content_length(headers).map_err(bad)?;
     Ok((BodyFraming::Length(length.unwrap_or(0)), keep_alive, expect_continue))
@@ -999,7 +1073,6 @@ mod tests {
             "POST / HTTP/1.1\r\ncontent-length: 2,\r\n\r\n",
             "POST / HTTP/1.1\r\ncontent-length: 2\u{a0}\r\n\r\n",
             "POST / HTTP/1.1\r\ntransfer-encoding: chunked, gzip\r\n\r\n",
-            "POST / HTTP/1.1\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
             "POST / HTTP/1.1\r\ntransfer-encoding: chunked, chunked\r\n\r\n",
             "POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\ntransfer-encoding: \u{a0}\r\n\r\n",
             "POST / HTTP/1.1\r\ntransfer-encoding: identity\r\n\r\n",
@@ -1039,6 +1112,43 @@ mod tests {
         }
         wire.push_str("\r\n");
         assert!(matches!(parse(&wire), Err(Refusal::HeadTooLarge)));
+    }
+
+    #[test]
+    fn codings_and_versions_not_served_get_501_and_505() {
+        let te = |value: &str| parse(&format!("POST / HTTP/1.1\r\ntransfer-encoding: {value}\r\n\r\n"));
+        for value in ["gzip, chunked", "deflate,chunked", "x-custom , CHUNKED"] {
+            assert!(matches!(te(value), Err(Refusal::CodingNotImplemented)), "{value}");
+        }
+        for value in [
+            "gzip",
+            "chunked, gzip",
+            "chunked, chunked",
+            "gzip, chunked, chunked",
+            ",",
+        ] {
+            assert!(matches!(te(value), Err(Refusal::BadRequest(_))), "{value}");
+        }
+        for version in ["HTTP/2.0", "HTTP/1.2", "HTTP/3.0", "HTTP/0.9"] {
+            let got = parse(&format!("GET / {version}\r\n\r\n"));
+            assert!(matches!(got, Err(Refusal::VersionNotSupported)), "{version}");
+        }
+        for version in ["HTTP/1", "HTTP/11.1", "HTTX/1.1", "http/1.1"] {
+            let got = parse(&format!("GET / {version}\r\n\r\n"));
+            assert!(matches!(got, Err(Refusal::BadRequest(_))), "{version}");
+        }
+    }
+
+    #[test]
+    fn a_request_line_over_the_head_limit_is_414() {
+        let long = format!("GET /{} HTTP/1.1\r\n\r\n", "a".repeat(MAX_HEAD));
+        assert!(matches!(parse(&long), Err(Refusal::UriTooLong)));
+        assert!(matches!(
+            Refusal::too_large(&long.as_bytes()[..MAX_HEAD + 1]),
+            Refusal::UriTooLong
+        ));
+        let big_header = format!("GET / HTTP/1.1\r\nx: {}\r\n\r\n", "a".repeat(MAX_HEAD));
+        assert!(matches!(parse(&big_header), Err(Refusal::HeadTooLarge)));
     }
 
     #[test]
