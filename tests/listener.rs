@@ -213,6 +213,28 @@ async fn head_answers_keep_their_length_and_no_body() {
     assert!(next.ends_with("twelve bytes"), "{next}");
 }
 
+/// A HEAD that idemgate answers itself (here a 502: nothing listens
+/// upstream) declares the length a GET's answer has, and sends no body.
+#[tokio::test]
+async fn head_answers_made_here_declare_their_length() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let nowhere = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let proxy = Proxy::start(&nowhere, "").await;
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    stream.write_all(b"HEAD /h HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+    let head = read_until(&mut stream, "\r\n\r\n").await;
+    assert!(head.starts_with("HTTP/1.1 502"), "{head}");
+    let get = until_close(&mut stream, b"GET /h HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await;
+    let (get_head, get_body) = get.split_once("\r\n\r\n").unwrap();
+    assert!(
+        get_head.starts_with("HTTP/1.1 502"),
+        "no body came after the HEAD's head: {get}"
+    );
+    let length = format!("content-length: {}\r\n", get_body.len());
+    assert!(head.contains(&length), "{head} against {length}");
+}
+
 #[tokio::test]
 async fn a_chunked_body_is_the_same_request_as_its_length_framed_twin() {
     let upstream = Upstream::start(|hit, seen| Reply::status(201, &format!("{hit}:{}", seen.body.len()))).await;

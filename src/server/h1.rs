@@ -627,6 +627,16 @@ impl<S: AsyncRead + AsyncWrite + Reset + Unpin> Connection<S> {
                 w.extend_from_slice(b"\r\n");
             }
             Out::Chunked => w.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+            // A HEAD answered with a body in hand (a problem, a replay; an
+            // upstream's answer to a HEAD has none) declares the length a
+            // GET would get, as nginx does (RFC 9110 §9.3.2).
+            Out::None if head_only && !status.is_informational() && exact.is_some_and(|n| n > 0) => {
+                if !parts.headers.contains_key(header::CONTENT_LENGTH) {
+                    w.extend_from_slice(b"content-length: ");
+                    w.extend_from_slice(wire::itoa(exact.unwrap_or(0), &mut [0; 20]));
+                    w.extend_from_slice(b"\r\n");
+                }
+            }
             Out::None | Out::Close => {}
         }
         if !*keep_alive {
