@@ -23,8 +23,9 @@ pub enum Chunked {
     Size,
     Data(u64),
     DataEnd,
-    /// The trailers so far, and how many bytes of them.
-    Trailers(HeaderMap, usize),
+    /// The trailers so far, how many bytes of them, and how much of the
+    /// line being read was looked at already (its end not among it).
+    Trailers(HeaderMap, usize, usize),
     Done,
 }
 
@@ -49,7 +50,7 @@ pub fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Fram
                 let size = chunk_size(&buf[..end]).ok_or_else(bad)?;
                 buf.advance(end + 2);
                 *state = if size == 0 {
-                    Chunked::Trailers(HeaderMap::new(), 0)
+                    Chunked::Trailers(HeaderMap::new(), 0, 0)
                 } else {
                     Chunked::Data(size)
                 };
@@ -82,14 +83,20 @@ pub fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Fram
                 buf.advance(2);
                 *state = Chunked::Size;
             }
-            Chunked::Trailers(trailers, size) => {
-                let Some(end) = line_end(buf) else {
-                    return if *size + buf.len() > MAX_HEAD || bare_cr_or_lf(buf) {
+            Chunked::Trailers(trailers, size, seen) => {
+                // Where the last look stopped, less its last byte (a CR whose
+                // LF had not come): a line sent a byte at a time is looked
+                // over once, not once per byte.
+                let from = seen.saturating_sub(1).min(buf.len());
+                let Some(end) = line_end(&buf[from..]).map(|end| from + end) else {
+                    *seen = buf.len();
+                    return if *size + buf.len() > MAX_HEAD || bare_cr_or_lf(&buf[from..]) {
                         Err(bad())
                     } else {
                         Ok(None)
                     };
                 };
+                *seen = 0;
                 *size += end + 2;
                 if *size > MAX_HEAD {
                     return Err("the trailers are too large");
@@ -616,6 +623,38 @@ mod tests {
         let mut state = Chunked::Size;
         let mut buf = BytesMut::from(&line(2 * MAX_SIZE_LINE).as_bytes()[..MAX_SIZE_LINE + 2]);
         assert!(next_chunk(&mut state, &mut buf).is_err());
+    }
+
+    #[test]
+    fn chunks_and_trailers_sent_a_byte_at_a_time_decode_alike() {
+        let wire = b"5;e=1\r\nhello\r\n0\r\nx-sum: 6\r\nx-long: aaaaaaaaaaaaaaaa\r\n\r\n";
+        let mut state = Chunked::Size;
+        let mut buf = BytesMut::new();
+        let (mut data, mut trailers) = (Vec::new(), None);
+        for &byte in wire {
+            buf.extend_from_slice(&[byte]);
+            while let Some(frame) = next_chunk(&mut state, &mut buf).unwrap() {
+                match frame.into_data() {
+                    Ok(bytes) => data.extend_from_slice(&bytes),
+                    Err(frame) => trailers = frame.into_trailers().ok(),
+                }
+            }
+        }
+        assert!(matches!(state, Chunked::Done) && buf.is_empty());
+        assert_eq!(data, b"hello");
+        let trailers = trailers.unwrap();
+        assert_eq!(
+            (trailers["x-sum"].as_bytes(), trailers["x-long"].as_bytes()),
+            (&b"6"[..], &b"aaaaaaaaaaaaaaaa"[..])
+        );
+        // A bare LF in a trailer line sent a byte at a time is still seen.
+        let mut state = Chunked::Size;
+        let mut buf = BytesMut::new();
+        let refused = b"0\r\nx: a\nb".iter().any(|&byte| {
+            buf.extend_from_slice(&[byte]);
+            next_chunk(&mut state, &mut buf).is_err()
+        });
+        assert!(refused);
     }
 
     #[test]
