@@ -657,6 +657,109 @@ mod tests {
         assert!(refused);
     }
 
+    /// What a chunked body fed in pieces comes to: its data and trailers
+    /// when it ends, or that it was refused, or that it has not ended.
+    #[derive(Debug, PartialEq)]
+    enum Decoded {
+        Whole(Vec<u8>, Vec<(String, Vec<u8>)>, usize),
+        Refused,
+        Unfinished,
+    }
+
+    fn decode_in_pieces(wire: &[u8], cuts: &[usize]) -> Decoded {
+        let mut state = Chunked::Size;
+        let mut buf = BytesMut::new();
+        let (mut data, mut trailers) = (Vec::new(), Vec::new());
+        let mut at = 0;
+        for end in cuts.iter().copied().chain([wire.len()]) {
+            buf.extend_from_slice(&wire[at..end]);
+            at = end;
+            loop {
+                match next_chunk(&mut state, &mut buf) {
+                    Err(_) => return Decoded::Refused,
+                    Ok(None) if matches!(state, Chunked::Done) => {
+                        return Decoded::Whole(data, trailers, buf.len());
+                    }
+                    Ok(None) => break,
+                    Ok(Some(frame)) => match frame.into_data() {
+                        Ok(bytes) => data.extend_from_slice(&bytes),
+                        Err(frame) => {
+                            let map = frame.into_trailers().ok().unwrap_or_default();
+                            trailers = map
+                                .iter()
+                                .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+                                .collect();
+                        }
+                    },
+                }
+            }
+        }
+        Decoded::Unfinished
+    }
+
+    /// Random chunked bodies, some with one byte changed, decode the same
+    /// whole and cut into random pieces: what the parser accepts or refuses
+    /// never depends on how the bytes arrive.
+    #[test]
+    fn chunked_bodies_decode_alike_however_they_arrive() {
+        let mut seed = 0x9E37_79B9_7F4A_7C15_u64;
+        let mut next = move |below: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % below as u64) as usize
+        };
+        let alphabet = b"0123456789abcdefxX;= \t\r\n:-";
+        let (mut refused, mut whole) = (0, 0);
+        for _ in 0..3000 {
+            let mut wire = Vec::new();
+            for _ in 0..next(4) {
+                let size = 1 + next(20);
+                wire.extend_from_slice(format!("{size:x}").as_bytes());
+                if next(3) == 0 {
+                    wire.extend_from_slice(b";ext=1");
+                }
+                wire.extend_from_slice(b"\r\n");
+                wire.extend((0..size).map(|i| b'a' + (i % 26) as u8));
+                wire.extend_from_slice(b"\r\n");
+            }
+            wire.extend_from_slice(b"0\r\n");
+            for t in 0..next(3) {
+                wire.extend_from_slice(format!("x-t{t}: v{t}\r\n").as_bytes());
+            }
+            wire.extend_from_slice(b"\r\n");
+            if next(2) == 0 {
+                let at = next(wire.len());
+                wire[at] = alphabet[next(alphabet.len())];
+            }
+            let expected = decode_in_pieces(&wire, &[]);
+            for _ in 0..4 {
+                let mut cuts: Vec<usize> = (0..next(wire.len().min(12))).map(|_| next(wire.len())).collect();
+                cuts.sort_unstable();
+                assert_eq!(
+                    decode_in_pieces(&wire, &cuts),
+                    expected,
+                    "{:?} cut at {cuts:?}",
+                    String::from_utf8_lossy(&wire)
+                );
+            }
+            let bytewise: Vec<usize> = (1..wire.len()).collect();
+            assert_eq!(
+                decode_in_pieces(&wire, &bytewise),
+                expected,
+                "{:?} a byte at a time",
+                String::from_utf8_lossy(&wire)
+            );
+            match expected {
+                Decoded::Refused => refused += 1,
+                Decoded::Whole(..) => whole += 1,
+                Decoded::Unfinished => {}
+            }
+        }
+        // Both kinds were exercised.
+        assert!(refused > 300 && whole > 1500, "{refused} refused, {whole} whole");
+    }
+
     #[test]
     fn trailers_are_bounded() {
         let mut wire = b"0\r\n".to_vec();
