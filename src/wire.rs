@@ -29,6 +29,34 @@ pub enum Chunked {
     Done,
 }
 
+/// Tells when a head being read (a request's by the listener, an answer's
+/// by the upstream client) is worth parsing again: only once a line
+/// has ended since the last look (a head is complete only at a line's end,
+/// and a bad line is refused at its end), or a CR came that no LF follows
+/// (a bare CR, refused at once, as a head read whole would be). Parsing
+/// after every read instead let a peer that sends a 64 KiB head a byte at
+/// a time make idemgate scan ~2 GB; this way the parses are at most one
+/// per line and one for a bare CR, and a head has at most `MAX_HEADERS` + 2
+/// lines before it is refused.
+#[derive(Default)]
+pub struct LineWatch {
+    /// How much of the buffer has been looked at.
+    seen: usize,
+}
+
+impl LineWatch {
+    /// True at the first look (most heads arrive whole in one read), then
+    /// when the bytes read since hold an LF, or a CR followed by another
+    /// byte (the last one looked at may be that CR).
+    pub fn ended_another(&mut self, buf: &[u8]) -> bool {
+        let first = self.seen == 0;
+        let new = buf.get(self.seen..).unwrap_or_default();
+        let from_last = buf.get(self.seen.saturating_sub(1)..).unwrap_or_default();
+        self.seen = buf.len();
+        first || new.contains(&b'\n') || from_last.windows(2).any(|w| w[0] == b'\r' && w[1] != b'\n')
+    }
+}
+
 /// The next frame of a chunked body in `buf`, if it holds one; `None` when
 /// more bytes are needed or the body is done (the state says which).
 pub fn next_chunk(state: &mut Chunked, buf: &mut BytesMut) -> Result<Option<Frame<Bytes>>, &'static str> {

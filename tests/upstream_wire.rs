@@ -136,6 +136,21 @@ async fn raw_upstream() -> RawUpstream {
                     if path.starts_with("/dropped") && served > 0 {
                         return;
                     }
+                    // `/dribble/<path>`: `<path>`'s answer a byte at a time.
+                    if let Some(path) = path.strip_prefix("/dribble") {
+                        let (answer, close) = script(path);
+                        socket.set_nodelay(true).unwrap();
+                        for byte in answer {
+                            if socket.write_all(&[*byte]).await.is_err() {
+                                return;
+                            }
+                            tokio::time::sleep(Duration::from_micros(200)).await;
+                        }
+                        if close {
+                            return;
+                        }
+                        continue;
+                    }
                     let (answer, close) = script(&path);
                     if socket.write_all(answer).await.is_err() || close {
                         return;
@@ -160,6 +175,34 @@ async fn behind_proxy(toml: &str) -> (RawUpstream, Proxy) {
 }
 
 const CHUNKED_ROUTE: &str = "[[route]]\nname = \"chunked\"\npath = \"/chunked\"\n";
+
+/// An answer sent a byte at a time (its head parsed as each line ends, not
+/// after each byte) reaches the client as the same answer sent at once,
+/// interim answers, chunks, trailers and hop-by-hop headers alike.
+#[tokio::test]
+async fn answers_sent_a_byte_at_a_time_arrive_as_sent_whole() {
+    let (_upstream, proxy) = behind_proxy("").await;
+    let client = TestClient::default();
+    for path in ["/interim", "/chunked", "/hop", "/length", "/garbage"] {
+        let whole = client.send("GET", &proxy.url(path), &[], "").await;
+        let dribbled = client
+            .send("GET", &proxy.url(&format!("/dribble{path}")), &[], "")
+            .await;
+        assert_eq!(dribbled.status, whole.status, "{path}");
+        assert_eq!(dribbled.body, whole.body, "{path}");
+        let headers = |r: &support::Answer| {
+            let mut h: Vec<String> = r
+                .headers
+                .iter()
+                .filter(|(n, _)| *n != "date")
+                .map(|(n, v)| format!("{n}: {v:?}"))
+                .collect();
+            h.sort();
+            h
+        };
+        assert_eq!(headers(&dribbled), headers(&whole), "{path}");
+    }
+}
 
 #[tokio::test]
 async fn every_framing_arrives_whole_and_connections_are_reused() {

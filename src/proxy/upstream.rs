@@ -43,7 +43,7 @@ use super::forward;
 use crate::clock::coarse_now;
 use crate::config::UpstreamConfig;
 use crate::server::tls::{self, TlsError};
-use crate::wire::{self, Chunked, MAX_HEAD, MAX_HEADERS, next_chunk};
+use crate::wire::{self, Chunked, LineWatch, MAX_HEAD, MAX_HEADERS, next_chunk};
 
 const MAX_IDLE_PER_UPSTREAM: usize = 1024;
 /// Bytes read from the upstream at a time, at least.
@@ -571,12 +571,17 @@ enum Framing {
 /// Reads the response head (skipping 1xx interim answers) and decides the
 /// body's framing and whether the connection can be reused.
 async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Framing, bool), UpstreamError> {
+    let mut lines = LineWatch::default();
     loop {
-        if !conn.buf.is_empty() {
+        if !conn.buf.is_empty() && lines.ended_another(&conn.buf) {
             let mut slots = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
             let mut parsed = httparse::Response::new(&mut []);
             let config = httparse::ParserConfig::default();
             match config.parse_response_with_uninit_headers(&mut parsed, &conn.buf, &mut slots) {
+                // As when it comes in pieces (below).
+                Ok(httparse::Status::Complete(length)) if length > MAX_HEAD => {
+                    return Err(UpstreamError::Protocol("the response head is too large"));
+                }
                 Ok(httparse::Status::Complete(length)) => {
                     let code = parsed.code.unwrap_or(0);
                     let minor = parsed.version.unwrap_or(0);
@@ -589,6 +594,8 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                         if status == StatusCode::SWITCHING_PROTOCOLS {
                             return Err(UpstreamError::Protocol("the upstream switched protocols"));
                         }
+                        // The next head starts the buffer: looked at afresh.
+                        lines = LineWatch::default();
                         continue;
                     }
                     let mut response = Response::new(());
@@ -623,12 +630,13 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                     }
                     return Ok((response, framing, keep_alive));
                 }
-                Ok(httparse::Status::Partial) if conn.buf.len() > MAX_HEAD => {
-                    return Err(UpstreamError::Protocol("the response head is too large"));
-                }
                 Ok(httparse::Status::Partial) => {}
                 Err(_) => return Err(UpstreamError::Protocol("the response head does not parse")),
             }
+        }
+        // Not whole (it would have been parsed as its last line ended).
+        if conn.buf.len() > MAX_HEAD {
+            return Err(UpstreamError::Protocol("the response head is too large"));
         }
         if conn.fill().await.map_err(UpstreamError::Io)? == 0 {
             return Err(UpstreamError::Io(io::Error::new(

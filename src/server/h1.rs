@@ -46,7 +46,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::clock::coarse_now;
 use crate::proxy::{ClientBody, Feed, Gateway, Peer, Problem, ResponseBody};
-use crate::wire::{self, Chunked, MAX_HEAD, MAX_HEADERS};
+use crate::wire::{self, Chunked, LineWatch, MAX_HEAD, MAX_HEADERS};
 
 /// What a client must send first to speak HTTP/2 without TLS.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -771,33 +771,6 @@ enum Fed {
     Stopped,
     /// The client hung up.
     Gone,
-}
-
-/// Tells when a head being read is worth parsing again: only once a line
-/// has ended since the last look (a head is complete only at a line's end,
-/// and a bad line is refused at its end), or a CR came that no LF follows
-/// (a bare CR, refused at once, as a head read whole would be). Parsing
-/// after every read instead let a client that sends a 64 KiB head a byte at
-/// a time make the server scan ~2 GB; this way the parses are at most one
-/// per line and one for a bare CR, and a head has at most `MAX_HEADERS` + 2
-/// lines before it is refused.
-#[derive(Default)]
-struct LineWatch {
-    /// How much of the buffer has been looked at.
-    seen: usize,
-}
-
-impl LineWatch {
-    /// True at the first look (most heads arrive whole in one read), then
-    /// when the bytes read since hold an LF, or a CR followed by another
-    /// byte (the last one looked at may be that CR).
-    fn ended_another(&mut self, buf: &[u8]) -> bool {
-        let first = self.seen == 0;
-        let new = buf.get(self.seen..).unwrap_or_default();
-        let from_last = buf.get(self.seen.saturating_sub(1)..).unwrap_or_default();
-        self.seen = buf.len();
-        first || new.contains(&b'\n') || from_last.windows(2).any(|w| w[0] == b'\r' && w[1] != b'\n')
-    }
 }
 
 /// What the bytes read so far, `buf`, come to: a head (taken out of it),
