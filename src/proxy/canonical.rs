@@ -10,6 +10,8 @@
 //! 2^64 as integers, so `1`, `1.0` and `1e0` are one number, and so are
 //! `1e16` and `10000000000000000`; an integer literal stays exact, so
 //! one past 2^53 that an f64 cannot hold is not the float it rounds to).
+//! Numbers are read correctly rounded (serde_json's `float_roundtrip`), so
+//! every spelling of one decimal value is one f64.
 
 use std::fmt;
 
@@ -268,6 +270,155 @@ mod tests {
             canon("[-9.223372036854775808e18, 1e20, 100000000000000000000]"),
             "[-9223372036854775808,1e20,1e20]"
         );
+        // Read correctly rounded, whatever the spelling: serde_json's fast
+        // reading, off by one unit in the last place for some long
+        // mantissas, made these two numbers.
+        assert_eq!(canon("-170567187269580742e-203"), canon("-1.705671872695807420e-186"));
+    }
+
+    /// One random JSON value, written as `form` picks: the same value in
+    /// any form writes one canonical text.
+    struct Writer {
+        seed: u64,
+    }
+
+    impl Writer {
+        fn next(&mut self, below: u64) -> u64 {
+            self.seed ^= self.seed << 13;
+            self.seed ^= self.seed >> 7;
+            self.seed ^= self.seed << 17;
+            self.seed % below
+        }
+
+        fn space(&mut self, out: &mut String) {
+            for _ in 0..self.next(3) {
+                out.push([' ', '\n', '\t', '\r'][self.next(4) as usize]);
+            }
+        }
+
+        /// A number given as digits and a power of ten, in one of its
+        /// spellings.
+        fn number(&mut self, digits: u64, exp: i32, negative: bool, out: &mut String) {
+            let digits = digits.to_string();
+            let sign = if negative { "-" } else { "" };
+            // d.ddd x 10^(exp + len - 1), or ddd x 10^exp, or 0.ddd x ...
+            let len = digits.len() as i32;
+            match self.next(4) {
+                0 => out.push_str(&format!("{sign}{digits}e{exp}")),
+                1 => out.push_str(&format!("{sign}{}.{}0e{}", &digits[..1], &digits[1..], exp + len - 1)),
+                2 => out.push_str(&format!("{sign}0.{digits}E{}", exp + len)),
+                // An integer literal is exact (see the module's notes): only
+                // where an f64 is too is it the same number as the others.
+                _ if (0..6).contains(&exp) && (digits.parse::<u128>().unwrap() * 10u128.pow(exp as u32)) <= 1 << 53 => {
+                    out.push_str(&format!("{sign}{digits}{}", "0".repeat(exp as usize)))
+                }
+                _ if exp < 0 && -exp < len => {
+                    let point = (len + exp) as usize;
+                    out.push_str(&format!("{sign}{}.{}", &digits[..point], &digits[point..]))
+                }
+                _ => out.push_str(&format!("{sign}{digits}e{exp:+}")),
+            }
+        }
+
+        fn value(&mut self, depth: u32, spec: &mut Vec<u64>, replay: &mut std::slice::Iter<'_, u64>, out: &mut String) {
+            // The value's shape comes from `replay` when there is one, so a
+            // second writing of it is the same value in other forms.
+            let mut shape = |w: &mut Writer, below: u64| match replay.next() {
+                Some(&v) => v,
+                None => {
+                    let v = w.next(below);
+                    spec.push(v);
+                    v
+                }
+            };
+            self.space(out);
+            let kind = shape(self, if depth > 3 { 4 } else { 6 });
+            match kind {
+                0 => out.push_str(["null", "true", "false"][shape(self, 3) as usize]),
+                1 => {
+                    let (digits, exp) = (shape(self, 10_000_000_000_000_000_000), shape(self, 580) as i32 - 300);
+                    let negative = shape(self, 2) == 0;
+                    self.number(digits, exp, negative, out);
+                }
+                2 => {
+                    let small = shape(self, 100_000);
+                    out.push_str(&format!("{small}"));
+                }
+                3 => {
+                    out.push('"');
+                    for _ in 0..shape(self, 6) {
+                        let c = ['a', 'Z', ' ', '/', '\\', '"', '\u{e9}'][shape(self, 7) as usize];
+                        match (c, self.next(2)) {
+                            ('\\', _) => out.push_str("\\\\"),
+                            ('"', _) => out.push_str("\\\""),
+                            (c, 0) => out.push_str(&format!("\\u{:04x}", c as u32)),
+                            (c, _) => out.push(c),
+                        }
+                    }
+                    out.push('"');
+                }
+                4 => {
+                    out.push('[');
+                    let n = shape(self, 4);
+                    for i in 0..n {
+                        if i > 0 {
+                            out.push(',');
+                        }
+                        self.value(depth + 1, spec, replay, out);
+                    }
+                    self.space(out);
+                    out.push(']');
+                }
+                _ => {
+                    // Members in a random order each writing.
+                    let n = shape(self, 4);
+                    let mut order: Vec<u64> = (0..n).collect();
+                    for i in (1..order.len()).rev() {
+                        order.swap(i, self.next(i as u64 + 1) as usize);
+                    }
+                    let mut members = vec![String::new(); n as usize];
+                    for member in members.iter_mut() {
+                        self.value(depth + 1, spec, replay, member);
+                    }
+                    out.push('{');
+                    for (i, &at) in order.iter().enumerate() {
+                        if i > 0 {
+                            out.push(',');
+                        }
+                        self.space(out);
+                        out.push_str(&format!("\"k{at}\":"));
+                        out.push_str(&members[at as usize]);
+                    }
+                    self.space(out);
+                    out.push('}');
+                }
+            }
+            self.space(out);
+        }
+    }
+
+    /// Random documents, each written twice with other whitespace, member
+    /// order, escapes and spellings of its numbers: one canonical text,
+    /// which parses back to itself.
+    #[test]
+    fn one_value_in_any_spelling_has_one_canonical_form() {
+        let mut writer = Writer {
+            seed: 0x9E37_79B9_7F4A_7C15,
+        };
+        for _ in 0..3000 {
+            let (mut spec, mut first) = (Vec::new(), String::new());
+            writer.value(0, &mut spec, &mut [].iter(), &mut first);
+            let mut second = String::new();
+            writer.value(0, &mut Vec::new(), &mut spec.iter(), &mut second);
+            let one = to_vec(&parse(first.as_bytes()).unwrap_or_else(|| panic!("{first}")));
+            let two = to_vec(&parse(second.as_bytes()).unwrap_or_else(|| panic!("{second}")));
+            assert_eq!(
+                String::from_utf8_lossy(&one),
+                String::from_utf8_lossy(&two),
+                "{first} and {second}"
+            );
+            assert_eq!(to_vec(&parse(&one).unwrap()), one, "{first}");
+        }
     }
 
     #[test]
