@@ -1,6 +1,7 @@
 //! HTTP/1.1 framing shared by the listener (`server::h1`) and the upstream
-//! client (`proxy::upstream`): head limits, a parsed head's headers cut
-//! into a header map with the notes its framing reads, the chunked coding,
+//! client (`proxy::upstream`): head limits, when a head being read is worth
+//! parsing again, a parsed head's headers cut into a header map with the
+//! notes its framing reads, the chunked coding,
 //! numbers written without the formatting machinery, and interned header
 //! names.
 
@@ -30,14 +31,16 @@ pub enum Chunked {
 }
 
 /// Tells when a head being read (a request's by the listener, an answer's
-/// by the upstream client) is worth parsing again: only once a line
-/// has ended since the last look (a head is complete only at a line's end,
-/// and a bad line is refused at its end), or a CR came that no LF follows
-/// (a bare CR, refused at once, as a head read whole would be). Parsing
-/// after every read instead let a peer that sends a 64 KiB head a byte at
-/// a time make idemgate scan ~2 GB; this way the parses are at most one
-/// per line and one for a bare CR, and a head has at most `MAX_HEADERS` + 2
-/// lines before it is refused.
+/// by the upstream client) is worth parsing again: only once a line has
+/// ended since the last look (a head is complete only at a line's end, and
+/// a bad line is refused at its end), or a byte came that no head may hold
+/// (a control character, or a CR that no LF follows), which httparse
+/// refuses wherever it stands in the head, so the head is answered as it
+/// would be read whole. Parsing after every read instead let a peer that
+/// sends a 64 KiB head a byte at a time make idemgate scan ~2 GB. With
+/// the empty lines before a head dropped first ([`skip_empty_lines`]), a
+/// head is parsed at most once a line, `MAX_HEADERS` + 2 times, and once
+/// more for a byte that ends it.
 #[derive(Default)]
 pub struct LineWatch {
     /// How much of the buffer has been looked at.
@@ -46,15 +49,35 @@ pub struct LineWatch {
 
 impl LineWatch {
     /// True at the first look (most heads arrive whole in one read), then
-    /// when the bytes read since hold an LF, or a CR followed by another
-    /// byte (the last one looked at may be that CR).
+    /// when the bytes read since hold an LF or another control character
+    /// but HTAB and CR, or a CR followed by another byte (the last one
+    /// looked at may be that CR).
     pub fn ended_another(&mut self, buf: &[u8]) -> bool {
         let first = self.seen == 0;
         let new = buf.get(self.seen..).unwrap_or_default();
         let from_last = buf.get(self.seen.saturating_sub(1)..).unwrap_or_default();
         self.seen = buf.len();
-        first || new.contains(&b'\n') || from_last.windows(2).any(|w| w[0] == b'\r' && w[1] != b'\n')
+        first
+            || new.iter().any(|&b| (b < 0x20 && b != b'\t' && b != b'\r') || b == 0x7f)
+            || from_last.windows(2).any(|w| w[0] == b'\r' && w[1] != b'\n')
     }
+}
+
+/// Drops the empty lines (CRLF, or a bare LF) at the front of `buf`, which
+/// a head may follow (RFC 9112 §2.2; httparse skips them too); true when
+/// it dropped any. A CR alone at the end stays, its LF yet to come. Dropped
+/// as they come, a flood of them is never parsed over and over.
+pub fn skip_empty_lines(buf: &mut BytesMut) -> bool {
+    let mut n = 0;
+    loop {
+        match &buf[n..] {
+            [b'\r', b'\n', ..] => n += 2,
+            [b'\n', ..] => n += 1,
+            _ => break,
+        }
+    }
+    buf.advance(n);
+    n > 0
 }
 
 /// The next frame of a chunked body in `buf`, if it holds one; `None` when

@@ -777,6 +777,10 @@ enum Fed {
 /// HTTP/2's preface on a connection's `first` request, a refusal, or
 /// `None` until more come. `lines` says when a parse is worth trying.
 fn look(buf: &mut BytesMut, lines: &mut LineWatch, first: bool) -> Result<Option<Read>, Refusal> {
+    if wire::skip_empty_lines(buf) {
+        // What is left starts anew.
+        *lines = LineWatch::default();
+    }
     if buf.is_empty() {
         return Ok(None);
     }
@@ -1050,6 +1054,51 @@ mod tests {
     }
 
     #[test]
+    fn empty_lines_before_a_head_are_dropped_as_they_come() {
+        let (mut buf, mut lines) = (BytesMut::new(), LineWatch::default());
+        for _ in 0..(MAX_HEAD / 2 + 1) {
+            for &byte in b"\r\n" {
+                buf.extend_from_slice(&[byte]);
+                assert!(look(&mut buf, &mut lines, false).unwrap().is_none());
+            }
+            // Nothing kept to be parsed again.
+            assert!(buf.is_empty());
+        }
+        buf.extend_from_slice(b"\nGET / HTTP/2.0\r\nhost: a\r\n\r\n");
+        assert!(matches!(
+            look(&mut buf, &mut lines, false),
+            Err(Refusal::VersionNotSupported)
+        ));
+        let mut buf = BytesMut::from(&b"\r\n\nGET /x HTTP/1.1\r\nhost: a\r\n\r\n"[..]);
+        let Ok(Some(Read::Head(head))) = look(&mut buf, &mut LineWatch::default(), true) else {
+            panic!("no head after the empty lines");
+        };
+        assert_eq!(head.request.uri.path(), "/x");
+    }
+
+    #[test]
+    fn a_control_byte_ends_the_wait_for_a_line() {
+        // No LF after it: refused as it comes, as when the head came whole.
+        for wire in [
+            &b"GET / HTTP/1.1\r\nhost: a\r\nx: a\x01"[..],
+            b"GET /\x7f",
+            b"GET / HTTP/1.1\r\nx\x00",
+        ] {
+            let (mut buf, mut lines) = (BytesMut::new(), LineWatch::default());
+            let refused = wire.iter().any(|&byte| {
+                buf.extend_from_slice(&[byte]);
+                look(&mut buf, &mut lines, true).is_err()
+            });
+            assert!(refused, "{wire:?}");
+        }
+        // A body's bytes after a whole head are the body's.
+        let mut buf = BytesMut::from(&b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 2\r\n\r\n\x00\x01"[..]);
+        let got = look(&mut buf, &mut LineWatch::default(), true);
+        assert!(matches!(got, Ok(Some(Read::Head(_)))));
+        assert_eq!(&buf[..], b"\x00\x01");
+    }
+
+    #[test]
     fn http_1_1_needs_exactly_one_host() {
         let refused = |wire: &str| matches!(parse_head(&mut BytesMut::from(wire)), Err(Refusal::BadRequest(_)));
         assert!(refused("GET / HTTP/1.1\r\n\r\n"));
@@ -1223,7 +1272,8 @@ mod tests {
         let mut statuses = std::collections::BTreeMap::new();
         for _ in 0..3000 {
             let mut wire = format!(
-                "{} {} {}\r\n",
+                "{}{} {} {}\r\n",
+                pick(&["", "", "", "\r\n", "\n\r\n"], next(5)),
                 pick(&["GET", "POST", "PUT", "HEAD"], next(4)),
                 pick(&["/", "/v1/orders?x=1", "http://a.example/p", "*"], next(4)),
                 pick(&["HTTP/1.1", "HTTP/1.0", "HTTP/2.0", "HTTP/1.1", "HTTP/1.1"], next(5)),
