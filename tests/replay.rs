@@ -376,6 +376,51 @@ ttl = "1500ms"
     assert_eq!(upstream.hits(), 3);
 }
 
+/// A retry that comes over the other protocol (a client library or a load
+/// balancer that changed its mind) is the same request: a derived key, a
+/// JSON fingerprint and a scope header all read alike from HTTP/1.1 and
+/// HTTP/2, so it is a replay, not a 422 or a second run.
+#[tokio::test]
+async fn a_retry_over_http2_replays_an_http1_answer() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        r#"
+[[route]]
+name = "derived"
+path = "/v1/events"
+scope = ["authorization"]
+key = { derive = ["body:/id", "header:x-tenant", "query:ref"] }
+fingerprint = { body = "json", headers = ["x-tenant"] }
+"#,
+    )
+    .await;
+    let url = proxy.url("/v1/events?ref=a%20b");
+    let headers = [
+        ("authorization", "Bearer t"),
+        ("x-tenant", "acme"),
+        ("content-type", "application/json"),
+    ];
+    let first = TestClient::default()
+        .send("POST", &url, &headers, r#"{"id":7,"at":1.5e0}"#)
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let mut request = http::Request::post(&url);
+    for (name, value) in headers {
+        request = request.header(name, value);
+    }
+    // Another spelling of the same JSON.
+    let body = Bytes::from_static(br#"{ "at": 1.5, "id": 7 }"#);
+    let response = support::h2_client()
+        .request(request.body(http_body_util::Full::new(body)).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(response.version(), http::Version::HTTP_2);
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert!(response.headers().contains_key("idempotent-replayed"));
+    assert_eq!(upstream.hits(), 1);
+}
+
 #[tokio::test]
 async fn http2_clients_are_served_too() {
     let upstream = Upstream::created().await;
