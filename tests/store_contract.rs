@@ -335,6 +335,94 @@ pub async fn operators_inspect_and_purge_any_record(store: Arc<dyn Store>) {
     assert_eq!(store.inspect(&k).await.unwrap(), None);
 }
 
+/// Random operations on a few keys by a few owners, each answer checked
+/// against a model of the contract (no record expires: leases and TTLs are
+/// long). Every backend keeps the same books.
+pub async fn random_operations_agree_with_a_model(store: Arc<dyn Store>) {
+    #[derive(Clone, Debug, PartialEq)]
+    enum Model {
+        InFlight(usize),
+        Completed(usize, Outcome),
+    }
+    let keys: Vec<RecordKey> = (0..5).map(|_| key()).collect();
+    let owners: Vec<Owner> = (0..3).map(|_| Owner::new()).collect();
+    // Each owner sends its own request: owners 0 and 1 the same one.
+    let print = |owner: usize| if owner < 2 { A } else { B };
+    let outcomes = [response("x"), response("yy"), Outcome::Unknown, Outcome::NotReplayable];
+    let mut model: Vec<Option<Model>> = vec![None; keys.len()];
+    let mut seed = 0x2545_F491_4F6C_DD1D_u64;
+    let mut next = move |below: usize| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % below as u64) as usize
+    };
+    for step in 0..400 {
+        let (at, who) = (next(keys.len()), next(owners.len()));
+        let (k, owner, fp) = (&keys[at], owners[who], print(who));
+        let held = model[at].clone();
+        let mine = held == Some(Model::InFlight(who));
+        match next(6) {
+            0 | 1 => {
+                let got = store.claim(k, &fp, owner, LONG, None).await.unwrap();
+                let want = match &held {
+                    None => {
+                        model[at] = Some(Model::InFlight(who));
+                        Claim::Claimed
+                    }
+                    Some(Model::InFlight(_)) if mine => Claim::Claimed,
+                    Some(Model::InFlight(other)) => Claim::InFlight {
+                        fingerprint: print(*other),
+                    },
+                    Some(Model::Completed(first, outcome)) => Claim::Completed {
+                        fingerprint: print(*first),
+                        outcome: outcome.clone(),
+                    },
+                };
+                assert_eq!(got, want, "step {step}: claim of {at} by {who}, held {held:?}");
+            }
+            2 => {
+                let outcome = outcomes[next(outcomes.len())].clone();
+                let got = store.complete(k, &fp, owner, outcome.clone(), LONG).await.unwrap();
+                if mine {
+                    model[at] = Some(Model::Completed(who, outcome));
+                }
+                assert_eq!(got, mine, "step {step}: completion of {at} by {who}, held {held:?}");
+            }
+            3 => {
+                let got = store.release(k, owner).await.unwrap();
+                if mine {
+                    model[at] = None;
+                }
+                assert_eq!(got, mine, "step {step}: release of {at} by {who}, held {held:?}");
+            }
+            4 => {
+                let got = store.renew(k, owner, LONG).await.unwrap();
+                assert_eq!(got, mine, "step {step}: renewal of {at} by {who}, held {held:?}");
+            }
+            _ if next(4) == 0 => {
+                let got = store.purge(k).await.unwrap();
+                model[at] = None;
+                assert_eq!(got, held.is_some(), "step {step}: purge of {at}, held {held:?}");
+            }
+            _ => {
+                let got = store.inspect(k).await.unwrap().map(|(record, _)| record);
+                let want = held.map(|held| match held {
+                    Model::InFlight(o) => Record::InFlight {
+                        fingerprint: print(o),
+                        owner: owners[o],
+                    },
+                    Model::Completed(o, outcome) => Record::Completed {
+                        fingerprint: print(o),
+                        outcome,
+                    },
+                });
+                assert_eq!(got, want, "step {step}: inspection of {at}");
+            }
+        }
+    }
+}
+
 macro_rules! contract {
     ($backend:ident, $make:expr) => {
         mod $backend {
@@ -364,6 +452,7 @@ macro_rules! contract {
             case!(waiters_wake_on_completion_and_release);
             case!(waiting_is_bounded_and_immediate_when_nothing_is_in_flight);
             case!(operators_inspect_and_purge_any_record);
+            case!(random_operations_agree_with_a_model);
         }
     };
 }
