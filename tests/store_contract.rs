@@ -339,6 +339,15 @@ pub async fn operators_inspect_and_purge_any_record(store: Arc<dyn Store>) {
 /// against a model of the contract (no record expires: leases and TTLs are
 /// long). Every backend keeps the same books.
 pub async fn random_operations_agree_with_a_model(store: Arc<dyn Store>) {
+    operations_agree_with_a_model(store, |_, store| store).await;
+}
+
+/// [`random_operations_agree_with_a_model`], the store passed through
+/// `between` before each step (which may put another in its place).
+async fn operations_agree_with_a_model(
+    mut store: Arc<dyn Store>,
+    mut between: impl FnMut(usize, Arc<dyn Store>) -> Arc<dyn Store>,
+) {
     #[derive(Clone, Debug, PartialEq)]
     enum Model {
         InFlight(usize),
@@ -358,6 +367,7 @@ pub async fn random_operations_agree_with_a_model(store: Arc<dyn Store>) {
         (seed % below as u64) as usize
     };
     for step in 0..400 {
+        store = between(step, store);
         let (at, who) = (next(keys.len()), next(owners.len()));
         let (k, owner, fp) = (&keys[at], owners[who], print(who));
         let held = model[at].clone();
@@ -518,6 +528,40 @@ async fn memory_sweeps_expired_records_and_holds_its_budget() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(store.stored_bytes(), 0, "the sweeper removed expired records");
+}
+
+/// The model's books hold across restarts of the embedded store: every
+/// answer and claim it acknowledged is there when the file is opened again,
+/// from the log alone, and (once, after a pause longer than the checkpoint
+/// interval of five seconds) from the file and the log together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_keeps_the_books_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("restarts.redb");
+    let reopen = |path: &std::path::Path| {
+        // Once the last store on it has let go of the file.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match EmbeddedStore::open(path) {
+                Ok(store) => return Arc::new(store) as Arc<dyn Store>,
+                Err(error) if std::time::Instant::now() > deadline => panic!("cannot reopen: {error}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    };
+    let store = reopen(&path);
+    operations_agree_with_a_model(store, |step, store| {
+        if step % 50 == 49 {
+            if step == 199 {
+                std::thread::sleep(Duration::from_millis(5500));
+            }
+            drop(store);
+            reopen(&path)
+        } else {
+            store
+        }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
