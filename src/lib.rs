@@ -57,3 +57,18 @@ pub mod server;
 pub mod store;
 pub mod telemetry;
 mod wire;
+
+/// Helpers for the unit tests.
+#[cfg(test)]
+mod testing {
+    /// Numbers below the argument, from a small deterministic generator
+    /// (xorshift64): a randomized test repeats exactly, run after run.
+    pub fn numbers(mut seed: u64) -> impl FnMut(usize) -> usize {
+        move |below| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % below as u64) as usize
+        }
+    }
+}

@@ -753,13 +753,7 @@ mod tests {
     /// never depends on how the bytes arrive.
     #[test]
     fn chunked_bodies_decode_alike_however_they_arrive() {
-        let mut seed = 0x9E37_79B9_7F4A_7C15_u64;
-        let mut next = move |below: usize| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed % below as u64) as usize
-        };
+        let mut next = crate::testing::numbers(0x9E37_79B9_7F4A_7C15);
         let alphabet = b"0123456789abcdefxX;= \t\r\n:-";
         let (mut refused, mut whole) = (0, 0);
         for _ in 0..3000 {

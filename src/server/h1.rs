@@ -1260,13 +1260,7 @@ mod tests {
     /// or the same refusal whole, cut at random and a byte at a time.
     #[test]
     fn heads_parse_alike_however_they_arrive() {
-        let mut seed = 0x2545_F491_4F6C_DD1D_u64;
-        let mut next = move |below: usize| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed % below as u64) as usize
-        };
+        let mut next = crate::testing::numbers(0x2545_F491_4F6C_DD1D);
         let pick = |options: &[&'static str], i: usize| options[i % options.len()];
         let alphabet = b"aZ09 :/.\t\r\n\x7f-HTP";
         let mut statuses = std::collections::BTreeMap::new();
