@@ -231,7 +231,9 @@ path = "/files/{{*rest}}"
 }
 
 /// A path that spells an unreserved character as an escape is the same
-/// path (RFC 3986 §6.2.2.2): it matches its route, and is forwarded as sent.
+/// path (RFC 3986 §6.2.2.2), and so is one whose dot segments, written or
+/// escaped, resolve to it (as a backend that resolves them would read it):
+/// it matches its route, and is forwarded as sent.
 #[tokio::test]
 async fn escaped_unreserved_characters_do_not_take_a_request_past_its_route() {
     let upstream = Upstream::created().await;
@@ -242,6 +244,12 @@ async fn escaped_unreserved_characters_do_not_take_a_request_past_its_route() {
     assert!(client.post(&url, "esc", "{}").await.replayed());
     assert_eq!(upstream.hits(), 1);
     assert_eq!(upstream.seen()[0].uri, "/v1/%6Frders");
+    // `/x/../v1/orders`, its dots escaped: the orders route all the same.
+    let url = proxy.url("/x/%2E%2e/v1/./orders");
+    assert_eq!(client.post(&url, "dots", "{}").await.status, StatusCode::CREATED);
+    assert!(client.post(&url, "dots", "{}").await.replayed());
+    assert_eq!(upstream.hits(), 2);
+    assert_eq!(upstream.seen()[1].uri, "/x/%2E%2e/v1/./orders");
 }
 
 #[tokio::test]

@@ -70,6 +70,11 @@ impl PathPattern {
                 if part.contains(['?', '#']) {
                     return Err(format!("`{source}`: a path pattern has no query or fragment"));
                 }
+                if matches!(*part, "." | "..") {
+                    return Err(format!(
+                        "`{source}`: a path pattern has no `.` or `..` segment (request paths are matched with theirs resolved)"
+                    ));
+                }
                 Segment::Literal(part.to_string())
             };
             segments.push(segment);
@@ -122,12 +127,25 @@ impl PathPattern {
 
 /// `path` with its percent-encoded unreserved characters (letters,
 /// digits, `-`, `.`, `_`, `~`) decoded and other percent-encodings in upper
-/// case: RFC 3986 §6.2.2's normalizations, under which `/v1/%6Frders` is
-/// `/v1/orders`. Routes match, and path parameters are read, from it (a
-/// client's encoding must not take a request past its route, nor give one
-/// request two derived keys); the request goes upstream as it was sent.
-/// Borrowed, with nothing to do, when the path has no `%`.
+/// case, then its `.` and `..` segments resolved: RFC 3986 §6.2.2's
+/// normalizations, under which `/v1/%6Frders` is `/v1/orders` and
+/// `/v1/%2E%2E/admin` is `/admin`, as nginx resolves a path before it
+/// matches a location. Routes match, and path parameters are read, from it
+/// (a client's encoding must not take a request past its route, nor give
+/// one request two derived keys); the request goes upstream as it was sent.
+/// Borrowed, with nothing to do, when the path has no `%` and no dot
+/// segment.
 pub fn normalize(path: &str) -> std::borrow::Cow<'_, str> {
+    let decoded = decode_unreserved(path);
+    match remove_dot_segments(&decoded) {
+        Some(resolved) => std::borrow::Cow::Owned(resolved),
+        None => decoded,
+    }
+}
+
+/// `path` with its escaped unreserved characters decoded and other escapes
+/// in upper case (RFC 3986 §6.2.2.1–2).
+fn decode_unreserved(path: &str) -> std::borrow::Cow<'_, str> {
     if !path.contains('%') {
         return std::borrow::Cow::Borrowed(path);
     }
@@ -156,6 +174,33 @@ pub fn normalize(path: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(String::from_utf8(out).expect("escapes replaced by ASCII keep UTF-8"))
 }
 
+/// An absolute `path` with its `.` and `..` segments resolved (RFC 3986
+/// §5.2.4: `/a/./b/../c` is `/a/c`, and `..` above the root stays at the
+/// root); `None` when it has none. Empty segments stay (`//` is not `/`).
+fn remove_dot_segments(path: &str) -> Option<String> {
+    let dotted = |segment: &str| segment == "." || segment == "..";
+    if !path.starts_with('/') || !path.contains("/.") || !path.split('/').any(dotted) {
+        return None;
+    }
+    let mut kept: Vec<&str> = Vec::new();
+    let segments: Vec<&str> = path[1..].split('/').collect();
+    for (i, &segment) in segments.iter().enumerate() {
+        let last = i + 1 == segments.len();
+        match segment {
+            "." if last => kept.push(""),
+            "." => {}
+            ".." => {
+                kept.pop();
+                if last {
+                    kept.push("");
+                }
+            }
+            other => kept.push(other),
+        }
+    }
+    Some(format!("/{}", kept.join("/")))
+}
+
 impl fmt::Display for PathPattern {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.source)
@@ -179,6 +224,53 @@ mod tests {
         let pattern = PathPattern::parse("/t/{id}/items").unwrap();
         let found = pattern.matches(&normalize("/%74/%31%32/items")).unwrap();
         assert_eq!(found.param("id"), Some("12"));
+        // Dot segments, written or escaped, are resolved; empty ones kept.
+        for (path, resolved) in [
+            ("/v1/%2E%2E/admin", "/admin"),
+            ("/v1/%2e%2E/%2e/admin/", "/admin/"),
+            ("/a/./b/../c", "/a/c"),
+            ("/a/b/..", "/a/"),
+            ("/a/b/.", "/a/b/"),
+            ("/..", "/"),
+            ("/../../x", "/x"),
+            ("/a//../b", "/a/b"),
+            ("/a/..b/.c/", "/a/..b/.c/"),
+            ("/a//b", "/a//b"),
+        ] {
+            assert_eq!(normalize(path), resolved, "{path}");
+        }
+        assert!(matches!(normalize("/a/..b/.c"), std::borrow::Cow::Borrowed(_)));
+    }
+
+    /// Random paths, each written plainly and with random characters
+    /// escaped (in either case), normalize alike, and normalizing twice
+    /// changes nothing: one request has one route and one derived key,
+    /// however its client spells the path.
+    #[test]
+    fn any_spelling_of_a_path_normalizes_alike() {
+        let mut next = crate::testing::numbers(0x2545_F491_4F6C_DD1D);
+        let pieces = ["a", "Z9", "-_~", ".", "..", "", "x.y", "%2F", "%20", "é"];
+        for _ in 0..3000 {
+            let segments: Vec<&str> = (0..1 + next(5)).map(|_| pieces[next(pieces.len())]).collect();
+            let plain = format!("/{}", segments.join("/"));
+            let mut spelled = String::new();
+            for c in plain.chars() {
+                let unreserved = c.is_ascii_alphanumeric() || "-._~".contains(c);
+                if unreserved && next(3) == 0 {
+                    let escape = format!("%{:02X}", c as u32);
+                    spelled.push_str(&if next(2) == 0 {
+                        escape.to_ascii_lowercase()
+                    } else {
+                        escape
+                    });
+                } else {
+                    spelled.push(c);
+                }
+            }
+            let once = normalize(&plain).into_owned();
+            assert_eq!(normalize(&spelled), once, "{plain} spelled {spelled}");
+            assert_eq!(normalize(&once), once, "{plain}");
+        }
     }
 
     #[test]
@@ -216,7 +308,16 @@ mod tests {
 
     #[test]
     fn bad_patterns_are_refused() {
-        for bad in ["orders", "/a/{}", "/a/{*r}/b", "/a/x{id}", "/a/{id}/{id}", "/a?b"] {
+        for bad in [
+            "orders",
+            "/a/{}",
+            "/a/{*r}/b",
+            "/a/x{id}",
+            "/a/{id}/{id}",
+            "/a?b",
+            "/a/../b",
+            "/a/.",
+        ] {
             assert!(PathPattern::parse(bad).is_err(), "{bad}");
         }
     }
