@@ -228,6 +228,10 @@ path = "/files/{{*rest}}"
             "{route}: {metrics}"
         );
     }
+    // The host written fully qualified, in other case: the same route (as
+    // nginx drops the trailing dot), so the same upstream.
+    post("/v1/orders", "Tenant.Example.com.:8080", "POST").await;
+    assert_eq!(other.hits(), 3, "a trailing dot took the request past its route");
 }
 
 /// A path that spells an unreserved character as an escape is the same

@@ -193,15 +193,20 @@ impl Gateway {
 
     fn route_for(&self, request: &Request<ClientBody>) -> Routed<'_> {
         // The target's own host when it has one (absolute-form, HTTP/2's
-        // :authority), which RFC 9112 §3.2.2 says wins over Host.
-        let host = request.uri().host().or_else(|| {
-            let host = request.headers().get(HOST)?.to_str().ok()?;
-            Some(
-                host.rsplit_once(':')
-                    .filter(|(_, port)| port.parse::<u16>().is_ok())
-                    .map_or(host, |(host, _)| host),
-            )
-        });
+        // :authority), which RFC 9112 §3.2.2 says wins over Host; without
+        // the trailing dot of a fully qualified name, as nginx drops it.
+        let host = request
+            .uri()
+            .host()
+            .or_else(|| {
+                let host = request.headers().get(HOST)?.to_str().ok()?;
+                Some(
+                    host.rsplit_once(':')
+                        .filter(|(_, port)| port.parse::<u16>().is_ok())
+                        .map_or(host, |(host, _)| host),
+                )
+            })
+            .map(|host| host.strip_suffix('.').unwrap_or(host));
         // Matched as RFC 3986 normalizes it: `/v1/%6Frders` is `/v1/orders`.
         let path = crate::config::normalize_path(request.uri().path());
         let mut pass_to = None;
