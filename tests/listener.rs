@@ -367,6 +367,47 @@ async fn an_http2_request_body_that_stops_arriving_gets_400() {
     assert_eq!(streamed, 400);
 }
 
+/// An HTTP/2 request body that keeps coming, each frame within the idle
+/// bound, is read whole however long it takes altogether: the bound
+/// counts from the last frame, not the first.
+#[tokio::test]
+async fn a_slow_but_steady_http2_request_body_is_read_whole() {
+    use http_body_util::StreamBody;
+
+    let upstream = Upstream::start(|hit, seen| Reply::status(201, &format!("{hit}:{}", seen.body.len()))).await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        &format!("[server]\nheader_read_timeout = \"300ms\"\n{}", support::ORDERS),
+    )
+    .await;
+    for (url, key) in [(proxy.url("/v1/orders"), "steady"), (proxy.url("/elsewhere"), "")] {
+        type Item = Result<http_body::Frame<bytes::Bytes>, std::convert::Infallible>;
+        // Eight frames 100 ms apart: 800 ms in all, past the 300 ms bound.
+        let frames = futures_util::stream::unfold(0, |sent| async move {
+            if sent == 8 {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let frame: Item = Ok(http_body::Frame::data(bytes::Bytes::from_static(b"0123456789")));
+            Some((frame, sent + 1))
+        });
+        let mut request = http::Request::post(url);
+        if !key.is_empty() {
+            request = request.header("idempotency-key", key);
+        }
+        let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+        let response = client
+            .request(request.body(StreamBody::new(Box::pin(frames))).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 201, "{key}");
+    }
+    assert_eq!(upstream.hits(), 2);
+    assert!(upstream.seen().iter().all(|seen| seen.body.len() == 80));
+}
+
 /// The status of an HTTP/2 POST to `url` whose body sends a few bytes and
 /// then nothing more (the stream left open), answered within 5 s.
 async fn stalled_h2_post(url: &str, header: (&str, &str)) -> u16 {

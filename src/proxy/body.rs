@@ -36,7 +36,12 @@ pub enum ClientBody {
 pub struct H2Body {
     incoming: Incoming,
     idle: Duration,
+    /// Made at the first wait and set again at each later one: one timer
+    /// for the body, not one per wait.
     timer: Option<Pin<Box<Sleep>>>,
+    /// Whether the timer counts the current wait (a frame came since it
+    /// was set, or it was never set, when not).
+    armed: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +80,7 @@ impl ClientBody {
             incoming,
             idle,
             timer: None,
+            armed: false,
         }))
     }
 
@@ -118,12 +124,20 @@ impl Body for ClientBody {
             ClientBody::Whole(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
             ClientBody::H2(h2) => match Pin::new(&mut h2.incoming).poll_frame(cx) {
                 Poll::Ready(frame) => {
-                    h2.timer = None;
+                    h2.armed = false;
                     Poll::Ready(frame.map(|frame| frame.map_err(Into::into)))
                 }
                 Poll::Pending => {
                     let idle = h2.idle;
-                    let timer = h2.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
+                    if !h2.armed {
+                        let due = tokio::time::Instant::now() + idle;
+                        match &mut h2.timer {
+                            Some(timer) => timer.as_mut().reset(due),
+                            None => h2.timer = Some(Box::pin(tokio::time::sleep_until(due))),
+                        }
+                        h2.armed = true;
+                    }
+                    let timer = h2.timer.as_mut().expect("set above");
                     ready!(timer.as_mut().poll(cx));
                     Poll::Ready(Some(Err(BodyStalled(idle).into())))
                 }
