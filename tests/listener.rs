@@ -239,6 +239,35 @@ async fn head_answers_made_here_declare_their_length() {
     assert!(head.contains(&length), "{head} against {length}");
 }
 
+/// The same over HTTP/2.
+#[tokio::test]
+async fn http2_head_answers_made_here_declare_their_length() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let nowhere = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let proxy = Proxy::start(&nowhere, "").await;
+    let client = support::h2_client();
+    let send = |method: &str| {
+        let request = http::Request::builder()
+            .method(method)
+            .uri(proxy.url("/h"))
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        client.request(request)
+    };
+    let head = send("HEAD").await.unwrap();
+    let get = send("GET").await.unwrap();
+    assert_eq!((head.status().as_u16(), get.status().as_u16()), (502, 502));
+    let length = get.headers().get("content-length").cloned();
+    assert!(length.is_some(), "{:?}", get.headers());
+    assert_eq!(
+        head.headers().get("content-length"),
+        length.as_ref(),
+        "{:?}",
+        head.headers()
+    );
+}
+
 #[tokio::test]
 async fn a_chunked_body_is_the_same_request_as_its_length_framed_twin() {
     let upstream = Upstream::start(|hit, seen| Reply::status(201, &format!("{hit}:{}", seen.body.len()))).await;
