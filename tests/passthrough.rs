@@ -172,7 +172,7 @@ async fn routes_match_by_host_params_rest_and_method_first_match_wins() {
 [[route]]
 name = "tenant-host"
 path = "/v1/orders"
-host = "tenant.example.com"
+host = "Tenant.Example.COM."
 upstream = "{}"
 [[route]]
 name = "orders"
@@ -248,12 +248,55 @@ async fn escaped_unreserved_characters_do_not_take_a_request_past_its_route() {
     assert!(client.post(&url, "esc", "{}").await.replayed());
     assert_eq!(upstream.hits(), 1);
     assert_eq!(upstream.seen()[0].uri, "/v1/%6Frders");
-    // `/x/../v1/orders`, its dots escaped: the orders route all the same.
-    let url = proxy.url("/x/%2E%2e/v1/./orders");
-    assert_eq!(client.post(&url, "dots", "{}").await.status, StatusCode::CREATED);
-    assert!(client.post(&url, "dots", "{}").await.replayed());
+}
+
+/// A path with dot segments goes where it goes both resolved (as a backend
+/// that resolves them reads it) and as written (as one that does not):
+/// when the two differ, it is refused, so neither kind of backend gets it
+/// past a route; when they agree, it goes there as sent.
+#[tokio::test]
+async fn dot_segments_that_change_the_route_are_refused() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        r#"
+[[route]]
+name = "docs"
+path = "/v1/docs/{name}"
+methods = ["PUT"]
+[[route]]
+name = "files"
+path = "/files/{*rest}"
+methods = ["PUT"]
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    for path in [
+        "/v1/docs/%2E%2E",
+        "/v1/docs/a/../b",
+        "/x/%2E%2e/v1/docs/b",
+        "/v1/docs/./b",
+    ] {
+        let answer = client
+            .send("PUT", &proxy.url(path), &[("idempotency-key", path)], "{}")
+            .await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{path}");
+        assert!(String::from_utf8_lossy(&answer.body).contains("bad-request"), "{path}");
+    }
+    assert_eq!(upstream.hits(), 0);
+    // Both readings pass through to the one upstream: forwarded as sent.
+    let answer = client.send("GET", &proxy.url("/static/./a/../b.css"), &[], "").await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+    assert_eq!(upstream.seen()[0].uri, "/static/./a/../b.css");
+    // Both readings take one route: idempotent, forwarded as sent.
+    let url = proxy.url("/files/a/../b");
+    for replayed in [false, true] {
+        let answer = client.send("PUT", &url, &[("idempotency-key", "same")], "{}").await;
+        assert_eq!((answer.status, answer.replayed()), (StatusCode::CREATED, replayed));
+    }
     assert_eq!(upstream.hits(), 2);
-    assert_eq!(upstream.seen()[1].uri, "/x/%2E%2e/v1/./orders");
+    assert_eq!(upstream.seen()[1].uri, "/files/a/../b");
 }
 
 #[tokio::test]

@@ -130,11 +130,10 @@ impl PathPattern {
 /// case, then its `.` and `..` segments resolved: RFC 3986 §6.2.2's
 /// normalizations, under which `/v1/%6Frders` is `/v1/orders` and
 /// `/v1/%2E%2E/admin` is `/admin`, as nginx resolves a path before it
-/// matches a location. Routes match, and path parameters are read, from it
-/// (a client's encoding must not take a request past its route, nor give
-/// one request two derived keys); the request goes upstream as it was sent.
-/// Borrowed, with nothing to do, when the path has no `%` and no dot
-/// segment.
+/// matches a location. (The gateway matches routes on both halves, see
+/// `Gateway::route_for`: a path whose dots lead elsewhere than its
+/// segments as written is refused.) Borrowed, with nothing to do, when the
+/// path has no `%` and no dot segment.
 pub fn normalize(path: &str) -> std::borrow::Cow<'_, str> {
     let decoded = decode_unreserved(path);
     match remove_dot_segments(&decoded) {
@@ -145,7 +144,7 @@ pub fn normalize(path: &str) -> std::borrow::Cow<'_, str> {
 
 /// `path` with its escaped unreserved characters decoded and other escapes
 /// in upper case (RFC 3986 §6.2.2.1–2).
-fn decode_unreserved(path: &str) -> std::borrow::Cow<'_, str> {
+pub fn decode_unreserved(path: &str) -> std::borrow::Cow<'_, str> {
     if !path.contains('%') {
         return std::borrow::Cow::Borrowed(path);
     }
@@ -177,7 +176,7 @@ fn decode_unreserved(path: &str) -> std::borrow::Cow<'_, str> {
 /// An absolute `path` with its `.` and `..` segments resolved (RFC 3986
 /// §5.2.4: `/a/./b/../c` is `/a/c`, and `..` above the root stays at the
 /// root); `None` when it has none. Empty segments stay (`//` is not `/`).
-fn remove_dot_segments(path: &str) -> Option<String> {
+pub fn remove_dot_segments(path: &str) -> Option<String> {
     let dotted = |segment: &str| segment == "." || segment == "..";
     if !path.starts_with('/') || !path.contains("/.") || !path.split('/').any(dotted) {
         return None;

@@ -551,7 +551,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         routes.push(Route {
             name,
             path,
-            host: r.host.as_ref().map(|h| h.to_ascii_lowercase()),
+            host: r.host.as_ref().map(|h| h.trim_end_matches('.').to_ascii_lowercase()),
             upstream,
             policy,
         });

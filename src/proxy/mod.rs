@@ -93,6 +93,20 @@ pub struct Gateway {
 enum Routed<'a> {
     Idempotent(&'a Arc<LiveRoute>, RouteMatch),
     PassThrough(&'a Uri),
+    /// A path whose dot segments, resolved or as written, lead to two
+    /// different places: refused, as the backend may read it either way.
+    Ambiguous,
+}
+
+impl Routed<'_> {
+    /// Whether both go to one route, or pass through to one upstream.
+    fn same_place(&self, other: &Routed<'_>) -> bool {
+        match (self, other) {
+            (Routed::Idempotent(a, _), Routed::Idempotent(b, _)) => Arc::ptr_eq(a, b),
+            (Routed::PassThrough(a), Routed::PassThrough(b)) => std::ptr::eq(*a, *b),
+            _ => false,
+        }
+    }
 }
 
 /// A request body: still streaming from the client, or already buffered.
@@ -183,7 +197,15 @@ impl Gateway {
             Routed::Idempotent(live, params) => Either::Left(self.idempotent(live, params, request, peer)),
             Routed::PassThrough(upstream) => {
                 self.passthrough.count(Outcome::Passthrough);
-                Either::Right(self.forward(request, upstream, peer))
+                Either::Right(Either::Left(self.forward(request, upstream, peer)))
+            }
+            Routed::Ambiguous => {
+                self.passthrough.count(Outcome::BadRequest);
+                let problem = Problem::BadRequest(
+                    "the path's `.` or `..` segments lead elsewhere than its segments as written; send it with them resolved"
+                        .into(),
+                );
+                Either::Right(Either::Right(std::future::ready(problem.response())))
             }
         };
         answer
@@ -206,9 +228,29 @@ impl Gateway {
                         .map_or(host, |(host, _)| host),
                 )
             })
-            .map(|host| host.strip_suffix('.').unwrap_or(host));
-        // Matched as RFC 3986 normalizes it: `/v1/%6Frders` is `/v1/orders`.
-        let path = crate::config::normalize_path(request.uri().path());
+            .map(|host| host.trim_end_matches('.'));
+        // Matched as RFC 3986 normalizes it: `/v1/%6Frders` is `/v1/orders`,
+        // and `/x/%2E%2E/v1/orders` is `/v1/orders` to a backend that
+        // resolves dot segments but `/x/../v1/orders` to one that does not:
+        // when the two go to different places, the request is refused
+        // rather than let past a route either way.
+        let decoded = crate::config::decode_unreserved(request.uri().path());
+        let as_written = self.route_by(host, &decoded, request.method());
+        match crate::config::remove_dot_segments(&decoded) {
+            None => as_written,
+            Some(resolved) => {
+                let routed = self.route_by(host, &resolved, request.method());
+                if routed.same_place(&as_written) {
+                    routed
+                } else {
+                    Routed::Ambiguous
+                }
+            }
+        }
+    }
+
+    /// Where a request for `host` and the normalized `path` goes.
+    fn route_by(&self, host: Option<&str>, path: &str, method: &http::Method) -> Routed<'_> {
         let mut pass_to = None;
         for live in &self.routes {
             let route = &live.route;
@@ -217,10 +259,10 @@ impl Gateway {
             {
                 continue;
             }
-            let Some(params) = route.path.matches(&path) else {
+            let Some(params) = route.path.matches(path) else {
                 continue;
             };
-            if route.accepts(request.method()) {
+            if route.accepts(method) {
                 return Routed::Idempotent(live, params);
             }
             // Another method on this route's path: pass it through to this
