@@ -70,12 +70,15 @@ impl PathPattern {
                 if part.contains(['?', '#']) {
                     return Err(format!("`{source}`: a path pattern has no query or fragment"));
                 }
-                if matches!(*part, "." | "..") {
+                // Normalized as request paths are, so `/v1/%6Frders` is
+                // the route of `/v1/orders` rather than of nothing.
+                let part = decode_unreserved(part);
+                if matches!(&*part, "." | "..") {
                     return Err(format!(
                         "`{source}`: a path pattern has no `.` or `..` segment (request paths are matched with theirs resolved)"
                     ));
                 }
-                Segment::Literal(part.to_string())
+                Segment::Literal(part.into_owned())
             };
             segments.push(segment);
         }
@@ -273,6 +276,14 @@ mod tests {
     }
 
     #[test]
+    fn patterns_are_normalized_as_paths_are() {
+        let p = PathPattern::parse("/v1/%6frders/%2f").unwrap();
+        assert!(p.matches(&normalize("/v1/orders/%2F")).is_some());
+        assert!(p.matches(&normalize("/v1/%6Frders/%2f")).is_some());
+        assert_eq!(p.to_string(), "/v1/%6frders/%2f", "shown as written");
+    }
+
+    #[test]
     fn exact_paths_match_only_themselves() {
         let p = PathPattern::parse("/v1/orders").unwrap();
         assert!(p.matches("/v1/orders").is_some());
@@ -316,6 +327,7 @@ mod tests {
             "/a?b",
             "/a/../b",
             "/a/.",
+            "/a/%2e%2E",
         ] {
             assert!(PathPattern::parse(bad).is_err(), "{bad}");
         }
