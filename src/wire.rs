@@ -38,7 +38,7 @@ pub enum Chunked {
 /// refuses wherever it stands in the head, so the head is answered as it
 /// would be read whole. Parsing after every read instead let a peer that
 /// sends a 64 KiB head a byte at a time make idemgate scan ~2 GB. With
-/// the empty lines before a head dropped first ([`skip_empty_lines`]), a
+/// the empty lines before a head dropped first ([`LineWatch::skip_empty_lines`]), a
 /// head is parsed at most once a line, `MAX_HEADERS` + 2 times, and once
 /// more for a byte that ends it.
 #[derive(Default)]
@@ -61,23 +61,26 @@ impl LineWatch {
             || new.iter().any(|&b| (b < 0x20 && b != b'\t' && b != b'\r') || b == 0x7f)
             || from_last.windows(2).any(|w| w[0] == b'\r' && w[1] != b'\n')
     }
-}
 
-/// Drops the empty lines (CRLF, or a bare LF) at the front of `buf`, which
-/// a head may follow (RFC 9112 §2.2; httparse skips them too); true when
-/// it dropped any. A CR alone at the end stays, its LF yet to come. Dropped
-/// as they come, a flood of them is never parsed over and over.
-pub fn skip_empty_lines(buf: &mut BytesMut) -> bool {
-    let mut n = 0;
-    loop {
-        match &buf[n..] {
-            [b'\r', b'\n', ..] => n += 2,
-            [b'\n', ..] => n += 1,
-            _ => break,
+    /// Drops the empty lines (CRLF, or a bare LF) at the front of `buf`,
+    /// which a head may follow (RFC 9112 §2.2; httparse skips them too),
+    /// and looks at what is left afresh if it dropped any. A CR alone at
+    /// the end stays, its LF yet to come. Dropped as they come, a flood of
+    /// them is never parsed over and over.
+    pub fn skip_empty_lines(&mut self, buf: &mut BytesMut) {
+        let mut n = 0;
+        loop {
+            match &buf[n..] {
+                [b'\r', b'\n', ..] => n += 2,
+                [b'\n', ..] => n += 1,
+                _ => break,
+            }
+        }
+        if n > 0 {
+            buf.advance(n);
+            self.seen = 0;
         }
     }
-    buf.advance(n);
-    n > 0
 }
 
 /// The next frame of a chunked body in `buf`, if it holds one; `None` when

@@ -130,23 +130,12 @@ impl PathPattern {
 
 /// `path` with its percent-encoded unreserved characters (letters,
 /// digits, `-`, `.`, `_`, `~`) decoded and other percent-encodings in upper
-/// case, then its `.` and `..` segments resolved: RFC 3986 §6.2.2's
-/// normalizations, under which `/v1/%6Frders` is `/v1/orders` and
-/// `/v1/%2E%2E/admin` is `/admin`, as nginx resolves a path before it
-/// matches a location. (The gateway matches routes on both halves, see
-/// `Gateway::route_for`: a path whose dots lead elsewhere than its
-/// segments as written is refused.) Borrowed, with nothing to do, when the
-/// path has no `%` and no dot segment.
-pub fn normalize(path: &str) -> std::borrow::Cow<'_, str> {
-    let decoded = decode_unreserved(path);
-    match remove_dot_segments(&decoded) {
-        Some(resolved) => std::borrow::Cow::Owned(resolved),
-        None => decoded,
-    }
-}
-
-/// `path` with its escaped unreserved characters decoded and other escapes
-/// in upper case (RFC 3986 §6.2.2.1–2).
+/// case: RFC 3986 §6.2.2's normalizations, under which `/v1/%6Frders` is
+/// `/v1/orders`. Routes match, and path parameters are read, from it and
+/// from it with its dot segments resolved ([`remove_dot_segments`]; the
+/// gateway refuses a path whose two readings go to different places); the
+/// request goes upstream as it was sent. Borrowed, with nothing to do, when
+/// the path has no `%`.
 pub fn decode_unreserved(path: &str) -> std::borrow::Cow<'_, str> {
     if !path.contains('%') {
         return std::borrow::Cow::Borrowed(path);
@@ -212,6 +201,15 @@ impl fmt::Display for PathPattern {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `path` decoded, then its dot segments resolved.
+    fn normalize(path: &str) -> std::borrow::Cow<'_, str> {
+        let decoded = decode_unreserved(path);
+        match remove_dot_segments(&decoded) {
+            Some(resolved) => std::borrow::Cow::Owned(resolved),
+            None => decoded,
+        }
+    }
 
     #[test]
     fn paths_normalize_as_rfc_3986_says() {

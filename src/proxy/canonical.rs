@@ -276,8 +276,8 @@ mod tests {
         assert_eq!(canon("-170567187269580742e-203"), canon("-1.705671872695807420e-186"));
     }
 
-    /// One random JSON value, written as `form` picks: the same value in
-    /// any form writes one canonical text.
+    /// Writes random JSON values, each in one of its many spellings
+    /// (whitespace, member order, escapes, number forms).
     struct Writer {
         numbers: Box<dyn FnMut(usize) -> usize>,
     }

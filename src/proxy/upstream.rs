@@ -573,9 +573,7 @@ enum Framing {
 async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Framing, bool), UpstreamError> {
     let mut lines = LineWatch::default();
     loop {
-        if wire::skip_empty_lines(&mut conn.buf) {
-            lines = LineWatch::default();
-        }
+        lines.skip_empty_lines(&mut conn.buf);
         if !conn.buf.is_empty() && lines.ended_another(&conn.buf) {
             let mut slots = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
             let mut parsed = httparse::Response::new(&mut []);

@@ -777,10 +777,7 @@ enum Fed {
 /// HTTP/2's preface on a connection's `first` request, a refusal, or
 /// `None` until more come. `lines` says when a parse is worth trying.
 fn look(buf: &mut BytesMut, lines: &mut LineWatch, first: bool) -> Result<Option<Read>, Refusal> {
-    if wire::skip_empty_lines(buf) {
-        // What is left starts anew.
-        *lines = LineWatch::default();
-    }
+    lines.skip_empty_lines(buf);
     if buf.is_empty() {
         return Ok(None);
     }
