@@ -26,9 +26,7 @@ path = "/v1/orders"
 
 #[tokio::test]
 async fn an_unreachable_upstream_is_502_and_the_claim_is_released() {
-    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", closed.local_addr().unwrap());
-    drop(closed);
+    let url = support::unreachable_url();
     // Even with "unknown": the request was never sent.
     let proxy = Proxy::start(&url, &route(r#"on_upstream_failure = "unknown""#)).await;
     let client = TestClient::default();

@@ -219,10 +219,7 @@ async fn head_answers_keep_their_length_and_no_body() {
 /// upstream) declares the length a GET's answer has, and sends no body.
 #[tokio::test]
 async fn head_answers_made_here_declare_their_length() {
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let nowhere = format!("http://{}", closed.local_addr().unwrap());
-    drop(closed);
-    let proxy = Proxy::start(&nowhere, "").await;
+    let proxy = Proxy::start(&support::unreachable_url(), "").await;
     let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
     stream.write_all(b"HEAD /h HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
     let head = read_until(&mut stream, "\r\n\r\n").await;
@@ -242,10 +239,7 @@ async fn head_answers_made_here_declare_their_length() {
 /// The same over HTTP/2.
 #[tokio::test]
 async fn http2_head_answers_made_here_declare_their_length() {
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let nowhere = format!("http://{}", closed.local_addr().unwrap());
-    drop(closed);
-    let proxy = Proxy::start(&nowhere, "").await;
+    let proxy = Proxy::start(&support::unreachable_url(), "").await;
     let client = support::h2_client();
     let send = |method: &str| {
         let request = http::Request::builder()

@@ -319,6 +319,13 @@ impl Proxy {
     }
 }
 
+/// An upstream URL on a loopback port that nothing listens on: a port the
+/// kernel handed out and that was let go at once.
+pub fn unreachable_url() -> String {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("http://{}", closed.local_addr().unwrap())
+}
+
 /// Puts `[upstream]` and loopback port-0 listeners in front of `toml`.
 pub fn with_basics(upstream: &str, toml: &str) -> String {
     let mut text = toml.to_string();
