@@ -760,3 +760,86 @@ async fn redis_refusing_one_completion_of_a_batch_fails_it_alone() {
         Claim::InFlight { .. }
     ));
 }
+
+/// A URL's user, password and database: each connection logs in and
+/// selects that database before anything else, and a wrong password is an
+/// error the store reports at once, not a hang.
+#[tokio::test]
+async fn redis_connections_log_in_and_select_the_urls_database() {
+    let server =
+        support::redis::RedisServer::start_with_args(&["--user", "gate", "on", ">s3cret", "~*", "&*", "+@all"]);
+    let url = format!("redis://gate:s3cret@127.0.0.1:{}/3", server.port);
+    let store = RedisStore::single(&url, Duration::from_secs(2)).unwrap();
+    let (k, owner) = (key(), Owner::new());
+    assert!(matches!(
+        store.claim(&k, &A, owner, LONG, None).await.unwrap(),
+        Claim::Claimed
+    ));
+    assert!(store.complete(&k, &A, owner, response("x"), LONG).await.unwrap());
+    assert_eq!(server.cli(&["-n", "3", "dbsize"]).unwrap().trim(), "1");
+    assert_eq!(server.cli(&["-n", "0", "dbsize"]).unwrap().trim(), "0");
+
+    let wrong = format!("redis://gate:wrong@127.0.0.1:{}/3", server.port);
+    let store = RedisStore::single(&wrong, Duration::from_secs(2)).unwrap();
+    let started = Instant::now();
+    let refused = store.claim(&key(), &A, Owner::new(), LONG, None).await;
+    assert!(matches!(refused, Err(StoreError::Unavailable(_))), "{refused:?}");
+    assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+}
+
+/// Many commands in flight on one thread's connection, with records larger
+/// than a socket's buffers, so both ways are cut into many writes and
+/// reads: each command still gets its own answer.
+#[tokio::test]
+async fn redis_gives_each_of_many_large_commands_in_flight_its_own_answer() {
+    let server = support::redis::RedisServer::start();
+    let store = RedisStore::single(&server.url(), Duration::from_secs(5)).unwrap();
+    let records: Vec<(RecordKey, Owner, Bytes)> = (0..48)
+        .map(|i| {
+            (
+                key(),
+                Owner::new(),
+                Bytes::from(format!("{i:02}.").repeat(20_000 + 1_000 * i)),
+            )
+        })
+        .collect();
+    let outcome = |body: &Bytes| {
+        Outcome::Response(Arc::new(StoredResponse::new(
+            StatusCode::OK,
+            &[],
+            std::slice::from_ref(body),
+        )))
+    };
+    let claimed = futures_util::future::join_all(
+        records
+            .iter()
+            .map(|(k, owner, _)| store.claim(k, &A, *owner, LONG, None)),
+    )
+    .await;
+    assert!(claimed.iter().all(|c| matches!(c, Ok(Claim::Claimed))), "{claimed:?}");
+    let completed = futures_util::future::join_all(
+        records
+            .iter()
+            .map(|(k, owner, body)| store.complete(k, &A, *owner, outcome(body), LONG)),
+    )
+    .await;
+    assert!(completed.iter().all(|c| matches!(c, Ok(true))), "{completed:?}");
+    let found = futures_util::future::join_all(
+        records
+            .iter()
+            .map(|(k, _, _)| store.claim(k, &A, Owner::new(), LONG, None)),
+    )
+    .await;
+    for ((_, _, body), found) in records.iter().zip(found) {
+        match found.unwrap() {
+            Claim::Completed {
+                fingerprint,
+                outcome: Outcome::Response(stored),
+            } => {
+                assert_eq!(fingerprint, A);
+                assert_eq!(stored.body(), body);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -10,6 +10,7 @@ mod embedded;
 mod filter;
 mod memory;
 mod redis;
+mod resp;
 mod waiters;
 
 use std::collections::HashMap;

@@ -36,13 +36,13 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::StreamExt;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
 use socket2::TcpKeepalive;
 use tokio::sync::{OnceCell, oneshot};
 
 use super::codec::{self, Decoded};
+use super::resp;
 use super::waiters::Waiters;
 use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 use crate::telemetry::error_chain;
@@ -71,17 +71,20 @@ const DEAD_PATH: Duration = Duration::from_secs(5);
 const PROBE_AFTER: Duration = Duration::from_secs(15);
 const PROBE_EVERY: Duration = Duration::from_secs(5);
 
-/// The TCP settings of every connection to Redis: those the URL would give
-/// (Nagle's algorithm left on, as before) plus [`DEAD_PATH`] and keepalive
-/// probes.
-fn tcp_settings() -> redis::io::tcp::TcpSettings {
-    let probes = TcpKeepalive::new()
+fn probes() -> TcpKeepalive {
+    TcpKeepalive::new()
         .with_time(PROBE_AFTER)
         .with_interval(PROBE_EVERY)
-        .with_retries(3);
+        .with_retries(3)
+}
+
+/// The TCP settings of every connection to Redis the redis crate makes:
+/// those the URL would give (Nagle's algorithm left on, as before) plus
+/// [`DEAD_PATH`] and keepalive probes, as [`resp`] sets its own.
+fn tcp_settings() -> redis::io::tcp::TcpSettings {
     redis::io::tcp::TcpSettings::default()
         .set_user_timeout(DEAD_PATH)
-        .set_keepalive(probes)
+        .set_keepalive(probes())
 }
 
 /// A client for `url` with [`tcp_settings`].
@@ -226,13 +229,14 @@ impl Scripts {
 }
 
 /// How the store reaches Redis. Each thread (each worker's runtime) gets a
-/// multiplexed connection of its own, made on first use there, so a request
-/// never waits on another thread's connection task. Connections are lazy,
-/// so idemgate starts while Redis is down.
+/// connection of its own, made on first use there, so a request never
+/// waits on another thread's connection task. Connections are lazy, so
+/// idemgate starts while Redis is down. One server is reached through
+/// [`resp`]'s lean connection, a cluster through the redis crate's.
 enum Connection {
     Single {
-        client: Box<(redis::Client, ConnectionManagerConfig)>,
-        managers: PerThread<ConnectionManager>,
+        target: Arc<resp::Target>,
+        connections: PerThread<resp::Connection>,
     },
     Cluster {
         client: Box<redis::cluster::ClusterClient>,
@@ -240,36 +244,18 @@ enum Connection {
     },
 }
 
-/// A connection of either kind, usable wherever redis takes one.
+/// A connection of either kind.
 enum Conn {
-    Single(ConnectionManager),
+    Single(resp::Connection),
     Cluster(ClusterConnection),
 }
 
-impl redis::aio::ConnectionLike for Conn {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
+impl Conn {
+    /// Sends `command` and reads its answer as `T`.
+    async fn query<T: redis::FromRedisValue>(&mut self, command: &redis::Cmd) -> Result<T, RedisError> {
         match self {
-            Conn::Single(c) => c.req_packed_command(cmd),
-            Conn::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
-        match self {
-            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Conn::Single(c) => c.get_db(),
-            Conn::Cluster(c) => c.get_db(),
+            Conn::Single(connection) => connection.query(command).await,
+            Conn::Cluster(connection) => command.query_async(connection).await,
         }
     }
 }
@@ -422,18 +408,13 @@ impl RedisStore {
     /// One Redis server at `url`. Connects lazily and reconnects by itself.
     pub fn single(url: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
         let client = open(url).map_err(unavailable)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
-            // Every call already has the store's deadline (`StoreHandle`,
-            // `wait` included); a second timer per command would only cost
-            // time. A response that times out does not make the manager
-            // reconnect either way.
-            .set_response_timeout(None)
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_millis(500));
+        // Every call already has the store's deadline (`StoreHandle`, `wait`
+        // included): a command has no timer of its own.
+        let target =
+            resp::Target::new(client.get_connection_info(), timeout, DEAD_PATH, probes()).map_err(unavailable)?;
         let connection = Connection::Single {
-            client: Box::new((client.clone(), config)),
-            managers: PerThread::new(),
+            target: Arc::new(target),
+            connections: PerThread::new(),
         };
         Ok(RedisStore::new(connection, vec![client]))
     }
@@ -481,13 +462,10 @@ impl RedisStore {
     /// This thread's connection.
     async fn connection(&self) -> Result<Conn, StoreError> {
         match &self.connection {
-            Connection::Single { client, managers } => {
-                let (client, config) = &**client;
-                managers
-                    .get_or(|| client.get_connection_manager_lazy(config.clone()))
-                    .map(Conn::Single)
-                    .map_err(unavailable)
-            }
+            Connection::Single { target, connections } => connections
+                .get_or(|| Ok(resp::Connection::new(target.clone())))
+                .map(Conn::Single)
+                .map_err(unavailable),
             Connection::Cluster { client, connections } => {
                 let cell = connections
                     .get_or(|| Ok(Arc::new(OnceCell::new())))
@@ -518,16 +496,14 @@ impl RedisStore {
         args: &[&[u8]],
     ) -> Result<T, StoreError> {
         let mut connection = self.connection().await?;
-        match script_command("EVALSHA", &script.hash, keys, args)
-            .query_async(&mut connection)
+        match connection
+            .query(&script_command("EVALSHA", &script.hash, keys, args))
             .await
         {
-            Err(error) if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                script_command("EVAL", &script.text, keys, args)
-                    .query_async(&mut connection)
-                    .await
-                    .map_err(unavailable)
-            }
+            Err(error) if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => connection
+                .query(&script_command("EVAL", &script.text, keys, args))
+                .await
+                .map_err(unavailable),
             result => result.map_err(unavailable),
         }
     }
@@ -549,7 +525,7 @@ impl RedisStore {
             .arg(lease)
             .arg("GET");
         let mut connection = self.connection().await?;
-        match command.query_async::<Option<Vec<u8>>>(&mut connection).await {
+        match connection.query::<Option<Vec<u8>>>(&command).await {
             Ok(found) => Ok(found),
             Err(error) if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => {
                 tracing::info!(%error, "this Redis refuses SET NX GET; claiming with a script instead");

@@ -1,0 +1,542 @@
+//! A lean connection to one Redis server, for the Redis store's commands.
+//!
+//! Each worker thread has one (see `RedisStore`). A command is written into
+//! the connection's outgoing buffer and a slot for its answer queued behind
+//! the others, both under one lock that only that thread takes on the way
+//! of a request; a writer task sends whatever has gathered in one write,
+//! and a reader task parses the answers as they come and hands each to the
+//! oldest slot, as Redis answers in order. Against the redis crate's
+//! multiplexed connection behind its reconnecting manager, it skips a
+//! channel hop and a boxed future per command and a generic parser per
+//! answer: about a quarter of idemgate's own instructions per request on
+//! Redis (the README's benchmark section has the figures).
+//!
+//! The connection is made on first use and again after it breaks. A broken
+//! one fails every command sent on it and not yet answered (each may or
+//! may not have run, as with any connection that drops), and the next
+//! command connects anew; at most one connect is in flight, and commands
+//! sent meanwhile wait for it in the buffer. Clusters and the completion
+//! subscription keep the redis crate's connections.
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use redis::{Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, FromRedisValue, RedisError, RedisResult, Value};
+use socket2::{SockRef, TcpKeepalive};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{Notify, oneshot};
+use tokio::task::AbortHandle;
+
+use super::lock;
+
+/// Where a connection goes and what it says first.
+pub struct Target {
+    address: Address,
+    db: i64,
+    username: Option<String>,
+    password: Option<String>,
+    connect_timeout: Duration,
+    user_timeout: Duration,
+    keepalive: TcpKeepalive,
+}
+
+enum Address {
+    Tcp(String, u16),
+    Unix(std::path::PathBuf),
+}
+
+impl Target {
+    /// The server `info` names (as parsed from a `redis://` or
+    /// `redis+unix://` URL), reached within `connect_timeout`; TCP
+    /// connections get `user_timeout` (`TCP_USER_TIMEOUT`) and `keepalive`.
+    pub fn new(
+        info: &ConnectionInfo,
+        connect_timeout: Duration,
+        user_timeout: Duration,
+        keepalive: TcpKeepalive,
+    ) -> RedisResult<Target> {
+        let address = match info.addr() {
+            ConnectionAddr::Tcp(host, port) => Address::Tcp(host.clone(), *port),
+            ConnectionAddr::Unix(path) => Address::Unix(path.clone()),
+            _ => {
+                return Err(RedisError::from((
+                    ErrorKind::InvalidClientConfig,
+                    "this build of idemgate reaches Redis over plain TCP or a Unix socket, not TLS",
+                )));
+            }
+        };
+        let settings = info.redis_settings();
+        Ok(Target {
+            address,
+            db: settings.db(),
+            username: settings.username().map(str::to_owned),
+            password: settings.password().map(str::to_owned),
+            connect_timeout,
+            user_timeout,
+            keepalive,
+        })
+    }
+
+    /// The `AUTH` and `SELECT` a new connection sends before anything else.
+    fn greeting(&self) -> Vec<Cmd> {
+        let mut commands = Vec::new();
+        if let Some(password) = &self.password {
+            let mut auth = redis::cmd("AUTH");
+            if let Some(username) = &self.username {
+                auth.arg(username);
+            }
+            commands.push(auth.arg(password).clone());
+        }
+        if self.db != 0 {
+            commands.push(redis::cmd("SELECT").arg(self.db).clone());
+        }
+        commands
+    }
+}
+
+/// A handle on this thread's connection; clones share it.
+#[derive(Clone)]
+pub struct Connection {
+    shared: Arc<Shared>,
+    written: Arc<Notify>,
+}
+
+struct Shared {
+    target: Arc<Target>,
+    state: Mutex<State>,
+}
+
+struct State {
+    /// Bumped each time a connection breaks, so the tasks of the old one
+    /// find it changed and stop.
+    epoch: u64,
+    link: Link,
+    /// Commands not yet written.
+    out: Vec<u8>,
+    /// A slot for each command sent and not yet answered, oldest first
+    /// (those still in `out` included).
+    waiting: VecDeque<oneshot::Sender<RedisResult<Value>>>,
+    /// The reader and writer of the live connection.
+    tasks: Vec<AbortHandle>,
+}
+
+enum Link {
+    Down,
+    Connecting,
+    Up,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let state = self.state.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for task in state.tasks.drain(..) {
+            task.abort();
+        }
+    }
+}
+
+impl Connection {
+    /// A connection to `target`, made on the first command.
+    pub fn new(target: Arc<Target>) -> Connection {
+        Connection {
+            shared: Arc::new(Shared {
+                target,
+                state: Mutex::new(State {
+                    epoch: 0,
+                    link: Link::Down,
+                    out: Vec::new(),
+                    waiting: VecDeque::new(),
+                    tasks: Vec::new(),
+                }),
+            }),
+            written: Arc::new(Notify::new()),
+        }
+    }
+
+    /// Sends `command` and reads its answer as `T`; an error answer is an
+    /// `Err` of its kind (`NOSCRIPT`, ...).
+    pub async fn query<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
+        let answer = self.send(command);
+        let value = answer
+            .await
+            .map_err(|_| broken("the Redis connection was dropped".to_owned()))??;
+        Ok(redis::from_redis_value(value.extract_error()?)?)
+    }
+
+    /// Queues `command`, connecting first when there is no connection.
+    fn send(&self, command: &Cmd) -> oneshot::Receiver<RedisResult<Value>> {
+        let (slot, answer) = oneshot::channel();
+        let mut state = lock(&self.shared.state);
+        let wake = match state.link {
+            Link::Up => state.out.is_empty(),
+            Link::Connecting => false,
+            Link::Down => {
+                state.link = Link::Connecting;
+                tokio::spawn(connect(Arc::downgrade(&self.shared), self.written.clone(), state.epoch));
+                false
+            }
+        };
+        command.write_packed_command(&mut state.out);
+        state.waiting.push_back(slot);
+        drop(state);
+        if wake {
+            self.written.notify_one();
+        }
+        answer
+    }
+}
+
+impl Shared {
+    /// Ends the connection of `epoch`, if it is still the live one: every
+    /// command on it not yet answered gets `error`.
+    fn fail(&self, epoch: u64, error: &RedisError) {
+        let (waiting, tasks) = {
+            let mut state = lock(&self.state);
+            if state.epoch != epoch {
+                return;
+            }
+            state.epoch += 1;
+            state.link = Link::Down;
+            state.out.clear();
+            (std::mem::take(&mut state.waiting), std::mem::take(&mut state.tasks))
+        };
+        for task in tasks {
+            task.abort();
+        }
+        for slot in waiting {
+            let _ = slot.send(Err(error.clone()));
+        }
+    }
+
+    /// Starts the reader and writer of a new connection.
+    fn start<R, W>(self: &Arc<Self>, written: Arc<Notify>, epoch: u64, source: R, sink: W)
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        let mut state = lock(&self.state);
+        if state.epoch != epoch {
+            return;
+        }
+        state.link = Link::Up;
+        let weak = Arc::downgrade(self);
+        state.tasks = vec![
+            tokio::spawn(read(weak.clone(), epoch, source)).abort_handle(),
+            tokio::spawn(write(weak, written, epoch, sink)).abort_handle(),
+        ];
+    }
+}
+
+fn broken(detail: String) -> RedisError {
+    RedisError::from(io::Error::new(io::ErrorKind::ConnectionAborted, detail))
+}
+
+fn protocol(detail: String) -> RedisError {
+    RedisError::from((ErrorKind::Parse, "Redis answered outside the protocol", detail))
+}
+
+/// Connects for `epoch`, says the greeting, and starts the connection's
+/// tasks; or fails the commands that waited for it.
+async fn connect(weak: Weak<Shared>, written: Arc<Notify>, epoch: u64) {
+    let Some(target) = weak.upgrade().map(|shared| shared.target.clone()) else {
+        return;
+    };
+    let opened = match tokio::time::timeout(target.connect_timeout, open(&target)).await {
+        Ok(opened) => opened,
+        Err(_) => Err(broken(format!(
+            "no connection to Redis within {:?}",
+            target.connect_timeout
+        ))),
+    };
+    let Some(shared) = weak.upgrade() else {
+        return;
+    };
+    match opened {
+        Ok(Stream::Tcp(stream)) => {
+            let (source, sink) = stream.into_split();
+            shared.start(written, epoch, source, sink);
+        }
+        Ok(Stream::Unix(stream)) => {
+            let (source, sink) = stream.into_split();
+            shared.start(written, epoch, source, sink);
+        }
+        Err(error) => shared.fail(epoch, &error),
+    }
+}
+
+enum Stream {
+    Tcp(tokio::net::TcpStream),
+    Unix(tokio::net::UnixStream),
+}
+
+async fn open(target: &Target) -> RedisResult<Stream> {
+    let mut stream = match &target.address {
+        Address::Tcp(host, port) => {
+            let stream = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
+            let socket = SockRef::from(&stream);
+            socket.set_tcp_user_timeout(Some(target.user_timeout))?;
+            socket.set_tcp_keepalive(&target.keepalive)?;
+            Stream::Tcp(stream)
+        }
+        Address::Unix(path) => Stream::Unix(tokio::net::UnixStream::connect(path).await?),
+    };
+    let greeting = target.greeting();
+    if !greeting.is_empty() {
+        match &mut stream {
+            Stream::Tcp(stream) => greet(stream, &greeting).await?,
+            Stream::Unix(stream) => greet(stream, &greeting).await?,
+        }
+    }
+    Ok(stream)
+}
+
+/// Sends `commands` and checks that each was answered without an error.
+async fn greet<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, commands: &[Cmd]) -> RedisResult<()> {
+    let mut out = Vec::new();
+    for command in commands {
+        command.write_packed_command(&mut out);
+    }
+    stream.write_all(&out).await?;
+    let mut buf = BytesMut::with_capacity(256);
+    let mut answered = 0;
+    while answered < commands.len() {
+        if stream.read_buf(&mut buf).await? == 0 {
+            return Err(broken("Redis closed the connection while it was set up".to_owned()));
+        }
+        while let Some((value, used)) = parse(&buf)? {
+            buf.advance(used);
+            value.extract_error()?;
+            answered += 1;
+        }
+    }
+    Ok(())
+}
+
+/// Writes whatever commands have gathered, in one write, until the
+/// connection of `epoch` ends.
+async fn write<W: AsyncWrite + Unpin>(weak: Weak<Shared>, written: Arc<Notify>, epoch: u64, mut sink: W) {
+    let mut batch = Vec::new();
+    loop {
+        {
+            let Some(shared) = weak.upgrade() else {
+                return;
+            };
+            let mut state = lock(&shared.state);
+            if state.epoch != epoch {
+                return;
+            }
+            std::mem::swap(&mut state.out, &mut batch);
+        }
+        if batch.is_empty() {
+            written.notified().await;
+            continue;
+        }
+        if let Err(error) = sink.write_all(&batch).await {
+            if let Some(shared) = weak.upgrade() {
+                shared.fail(epoch, &error.into());
+            }
+            return;
+        }
+        batch.clear();
+        // A burst of large records grew it: let that memory go.
+        if batch.capacity() > 1 << 20 {
+            batch = Vec::new();
+        }
+    }
+}
+
+/// Reads answers and hands each to its command's slot, until the
+/// connection of `epoch` ends.
+async fn read<R: AsyncRead + Unpin>(weak: Weak<Shared>, epoch: u64, mut source: R) {
+    let mut buf = BytesMut::with_capacity(16 << 10);
+    let mut answers = Vec::new();
+    let mut slots = Vec::new();
+    loop {
+        let read = source.read_buf(&mut buf).await;
+        let Some(shared) = weak.upgrade() else {
+            return;
+        };
+        match read {
+            Ok(0) => return shared.fail(epoch, &broken("Redis closed the connection".to_owned())),
+            Err(error) => return shared.fail(epoch, &error.into()),
+            Ok(_) => {}
+        }
+        loop {
+            match parse(&buf) {
+                Ok(Some((value, used))) => {
+                    buf.advance(used);
+                    answers.push(value);
+                }
+                Ok(None) => break,
+                Err(error) => return shared.fail(epoch, &error),
+            }
+        }
+        if answers.is_empty() {
+            continue;
+        }
+        {
+            let mut state = lock(&shared.state);
+            if state.epoch != epoch {
+                return;
+            }
+            if state.waiting.len() < answers.len() {
+                drop(state);
+                let error = protocol(format!("{} answers to no command", answers.len()));
+                return shared.fail(epoch, &error);
+            }
+            slots.extend(state.waiting.drain(..answers.len()));
+        }
+        for (slot, answer) in slots.drain(..).zip(answers.drain(..)) {
+            let _ = slot.send(Ok(answer));
+        }
+    }
+}
+
+/// How deep answers nest: the store's scripts answer with at most a list
+/// of plain values.
+const MAX_DEPTH: usize = 8;
+
+/// The longest line before a bulk string's data (type, length, CRLF), or a
+/// simple string or error.
+const MAX_LINE: usize = 64 << 10;
+
+/// Parses one RESP2 answer from the front of `buf`: the value and the bytes
+/// it took, or `None` while it has not all arrived.
+fn parse(buf: &[u8]) -> RedisResult<Option<(Value, usize)>> {
+    parse_at(buf, 0, 0)
+}
+
+fn parse_at(buf: &[u8], at: usize, depth: usize) -> RedisResult<Option<(Value, usize)>> {
+    let rest = &buf[at..];
+    let Some(lf) = rest.iter().take(MAX_LINE).position(|&b| b == b'\n') else {
+        if rest.len() >= MAX_LINE {
+            return Err(protocol("a line with no end".to_owned()));
+        }
+        return Ok(None);
+    };
+    if lf < 2 || rest[lf - 1] != b'\r' {
+        return Err(protocol("a line not ended by CRLF".to_owned()));
+    }
+    let line = &rest[1..lf - 1];
+    let next = at + lf + 1;
+    let value = match rest[0] {
+        b'+' if line == b"OK" => Value::Okay,
+        b'+' => Value::SimpleString(String::from_utf8_lossy(line).into_owned()),
+        b'-' => redis::parse_redis_value(&buf[at..next])?,
+        b':' => Value::Int(number(line)?),
+        b'$' => {
+            let Ok(len) = usize::try_from(number(line)?) else {
+                return Ok(Some((Value::Nil, next)));
+            };
+            let end = next
+                .checked_add(len)
+                .ok_or_else(|| protocol("a bulk string too long".to_owned()))?;
+            if buf.len() < end + 2 {
+                return Ok(None);
+            }
+            if &buf[end..end + 2] != b"\r\n" {
+                return Err(protocol("a bulk string longer than it said".to_owned()));
+            }
+            return Ok(Some((Value::BulkString(buf[next..end].to_vec()), end + 2)));
+        }
+        b'*' => {
+            let Ok(count) = usize::try_from(number(line)?) else {
+                return Ok(Some((Value::Nil, next)));
+            };
+            if depth == MAX_DEPTH {
+                return Err(protocol("answers nested too deep".to_owned()));
+            }
+            let mut items = Vec::with_capacity(count.min(64));
+            let mut at = next;
+            for _ in 0..count {
+                let Some((item, after)) = parse_at(buf, at, depth + 1)? else {
+                    return Ok(None);
+                };
+                items.push(item);
+                at = after;
+            }
+            return Ok(Some((Value::Array(items), at)));
+        }
+        other => return Err(protocol(format!("an answer of type {:?}", other as char))),
+    };
+    Ok(Some((value, next)))
+}
+
+fn number(digits: &[u8]) -> RedisResult<i64> {
+    std::str::from_utf8(digits)
+        .ok()
+        .and_then(|digits| digits.parse().ok())
+        .ok_or_else(|| protocol(format!("{:?} is not a number", String::from_utf8_lossy(digits))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn whole(wire: &[u8]) -> Value {
+        let (value, used) = parse(wire).unwrap().expect("whole");
+        assert_eq!(used, wire.len());
+        value
+    }
+
+    #[test]
+    fn answers_parse_to_the_values_the_redis_crate_makes() {
+        for wire in [
+            &b"+OK\r\n"[..],
+            b"+QUEUED\r\n",
+            b":-42\r\n",
+            b"$-1\r\n",
+            b"*-1\r\n",
+            b"$0\r\n\r\n",
+            b"$5\r\na\r\nbc\r\n",
+            b"*0\r\n",
+            b"*3\r\n:1\r\n:0\r\n:-1\r\n",
+            b"*2\r\n$3\r\nabc\r\n:1234\r\n",
+            b"*2\r\n*1\r\n$-1\r\n+x\r\n",
+        ] {
+            assert_eq!(whole(wire), redis::parse_redis_value(wire).unwrap(), "{wire:?}");
+        }
+    }
+
+    #[test]
+    fn an_error_answer_keeps_its_kind() {
+        let value = whole(b"-NOSCRIPT No matching script. Please use EVAL.\r\n");
+        let error = value.extract_error().unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::Server(redis::ServerErrorKind::NoScript));
+        let value = whole(b"*2\r\n:1\r\n-ERR invalid expire time\r\n");
+        assert!(value.extract_error().is_err());
+    }
+
+    #[test]
+    fn an_answer_cut_anywhere_waits_for_the_rest() {
+        let wire = b"*3\r\n$10\r\n0123456789\r\n*2\r\n:7\r\n$-1\r\n+OK\r\n";
+        for cut in 0..wire.len() {
+            assert!(parse(&wire[..cut]).unwrap().is_none(), "cut at {cut}");
+        }
+        let mut two = wire.to_vec();
+        two.extend_from_slice(b":5\r\n");
+        let (_, used) = parse(&two).unwrap().unwrap();
+        assert_eq!(used, wire.len());
+        assert_eq!(whole(&two[used..]), Value::Int(5));
+    }
+
+    #[test]
+    fn bytes_outside_the_protocol_are_refused() {
+        for wire in [
+            &b"?1\r\n"[..],
+            b":12a\r\n",
+            b"$3\r\nabcd\r\n",
+            b"+OK\n",
+            b"\r\n",
+            b"*9\r\n*9\r\n*9\r\n*9\r\n*9\r\n*9\r\n*9\r\n*9\r\n*9\r\n",
+        ] {
+            assert!(parse(wire).is_err(), "{wire:?}");
+        }
+        let endless = vec![b'+'; MAX_LINE + 1];
+        assert!(parse(&endless).is_err());
+        assert!(parse(&endless[..100]).unwrap().is_none());
+    }
+}
