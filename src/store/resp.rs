@@ -8,15 +8,18 @@
 //! oldest slot, as Redis answers in order. Against the redis crate's
 //! multiplexed connection behind its reconnecting manager, it skips a
 //! channel hop and a boxed future per command and a generic parser per
-//! answer: about a quarter of idemgate's own instructions per request on
-//! Redis (the README's benchmark section has the figures).
+//! answer (on new keys, 58.8k -> 55.1k instructions per request under
+//! callgrind; bench/RESULTS.md).
 //!
 //! The connection is made on first use and again after it breaks. A broken
 //! one fails every command sent on it and not yet answered (each may or
 //! may not have run, as with any connection that drops), and the next
 //! command connects anew; at most one connect is in flight, and commands
-//! sent meanwhile wait for it in the buffer. Clusters and the completion
-//! subscription keep the redis crate's connections.
+//! sent meanwhile wait for it in the buffer. A server that stops
+//! answering holds at most [`MAX_WAITING`] commands of a connection; past
+//! that, a command fails at once rather than pile up behind them.
+//! Clusters and the completion subscription keep the redis crate's
+//! connections.
 
 use std::collections::VecDeque;
 use std::io;
@@ -97,6 +100,13 @@ impl Target {
     }
 }
 
+/// How many commands one connection holds unanswered before it refuses
+/// more. A server that answers keeps a few per request in flight on the
+/// thread; one that stopped (paused, overloaded, its host gone quiet)
+/// would otherwise gather every command sent until the callers' deadlines
+/// and TCP give up, each with its record.
+pub const MAX_WAITING: usize = 1 << 16;
+
 /// A handle on this thread's connection; clones share it.
 #[derive(Clone)]
 pub struct Connection {
@@ -159,7 +169,7 @@ impl Connection {
     /// Sends `command` and reads its answer as `T`; an error answer is an
     /// `Err` of its kind (`NOSCRIPT`, ...).
     pub async fn query<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
-        let answer = self.send(command);
+        let answer = self.send(command)?;
         let value = answer
             .await
             .map_err(|_| broken("the Redis connection was dropped".to_owned()))??;
@@ -167,9 +177,14 @@ impl Connection {
     }
 
     /// Queues `command`, connecting first when there is no connection.
-    fn send(&self, command: &Cmd) -> oneshot::Receiver<RedisResult<Value>> {
+    fn send(&self, command: &Cmd) -> RedisResult<oneshot::Receiver<RedisResult<Value>>> {
         let (slot, answer) = oneshot::channel();
         let mut state = lock(&self.shared.state);
+        if state.waiting.len() >= MAX_WAITING {
+            return Err(broken(format!(
+                "Redis has not answered the {MAX_WAITING} commands before this one"
+            )));
+        }
         let wake = match state.link {
             Link::Up => state.out.is_empty(),
             Link::Connecting => false,
@@ -185,7 +200,7 @@ impl Connection {
         if wake {
             self.written.notify_one();
         }
-        answer
+        Ok(answer)
     }
 }
 
@@ -498,6 +513,44 @@ mod tests {
             b"*2\r\n*1\r\n$-1\r\n+x\r\n",
         ] {
             assert_eq!(whole(wire), redis::parse_redis_value(wire).unwrap(), "{wire:?}");
+        }
+    }
+
+    /// A peer that reads every command and answers none, as a Redis that
+    /// stopped answering: a connection holds [`MAX_WAITING`] commands, the
+    /// next fails at once, and when the peer goes away every held command
+    /// gets the error.
+    #[tokio::test]
+    async fn a_server_that_stops_answering_holds_a_bounded_number_of_commands() {
+        use redis::IntoConnectionInfo;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let info = format!("redis://{}/0", listener.local_addr().unwrap())
+            .into_connection_info()
+            .unwrap();
+        let target = Target::new(
+            &info,
+            Duration::from_secs(2),
+            Duration::from_secs(5),
+            TcpKeepalive::new(),
+        )
+        .unwrap();
+        let connection = Connection::new(Arc::new(target));
+        let ping = redis::cmd("PING");
+        let held: Vec<_> = (0..MAX_WAITING).map(|_| connection.send(&ping).unwrap()).collect();
+        assert!(connection.send(&ping).is_err());
+
+        let (mut peer, _) = listener.accept().await.unwrap();
+        let expected = MAX_WAITING * ping.get_packed_command().len();
+        let (mut buf, mut read) = (vec![0u8; 1 << 16], 0);
+        while read < expected {
+            let n = peer.read(&mut buf).await.unwrap();
+            assert!(n > 0);
+            read += n;
+        }
+        assert_eq!(read, expected, "each command sent once");
+        drop(peer);
+        for answer in held {
+            assert!(answer.await.unwrap().is_err());
         }
     }
 
