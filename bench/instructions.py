@@ -3,7 +3,9 @@
 
 Wall-clock figures on a shared 2-core machine move ±10% between runs;
 instruction counts do not. This runs nginx as a pass-through proxy, and
-idemgate on the memory store, each under `valgrind --tool=callgrind` in
+idemgate on the memory store (or with `--store redis`, on a redis-server
+of its own, which runs natively: only idemgate's instructions are
+counted), each under `valgrind --tool=callgrind` in
 front of the same trivial backend, sends POSTs with new keys through each
 (wrk, 16 connections), and divides the instructions executed while wrk ran
 by the requests it made. The counts are user-space only (no kernel time)
@@ -11,9 +13,11 @@ and repeat to within about 1%. SHA-256 runs in software under valgrind
 (no SHA extensions), so idemgate's count overstates its fingerprinting by
 about 12k instructions per request.
 
-Needs: valgrind, wrk, nginx and a release build (`cargo build --release`).
+Needs: valgrind, wrk, nginx (and redis-server for `--store redis`) and a
+release build (`cargo build --release`).
 
     python3 bench/instructions.py
+    python3 bench/instructions.py --store redis
     python3 bench/instructions.py --binary target/pgo/x86_64-unknown-linux-gnu/release/idemgate
 """
 
@@ -56,8 +60,9 @@ def instructions(procs, tmp, name, command, port, script):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--binary", default=bench.BINARY, help="the idemgate to run (default: target/release/idemgate)")
+    parser.add_argument("--store", default="memory", choices=("memory", "redis"), help="idemgate's store")
     args = parser.parse_args()
-    for tool in ("valgrind", "callgrind_control", "wrk", "nginx"):
+    for tool in ("valgrind", "callgrind_control", "wrk", "nginx") + (("redis-server",) if args.store == "redis" else ()):
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: apt-get install valgrind wrk nginx")
     bench.require_binary(args.binary)
@@ -77,15 +82,19 @@ def main():
         nginx_ir, nginx_n = instructions(procs, tmp, "nginx", ["nginx", "-c", conf, "-p", tmp], nginx_port, script)
 
         conf = os.path.join(tmp, "idemgate.toml")
+        if args.store == "redis":
+            store_extra = f'url = "redis://127.0.0.1:{bench.redis_server(procs)}/0"'
+        else:
+            store_extra = 'max_memory = "64MiB"'
         with open(conf, "w") as f:
-            f.write(bench.IDEMGATE.format(port=gate_port, backend=backend_port, store="memory",
-                                          store_extra='max_memory = "64MiB"', server_extra=""))
+            f.write(bench.IDEMGATE.format(port=gate_port, backend=backend_port, store=args.store,
+                                          store_extra=store_extra, server_extra=""))
         gate_ir, gate_n = instructions(procs, tmp, "idemgate", [args.binary, "--config", conf], gate_port, script)
 
         print("| proxy | requests counted | instructions per request |")
         print("|---|---|---|")
         print(f"| nginx pass-through | {nginx_n} | {nginx_ir:,.0f} |")
-        print(f"| idemgate, memory store, new keys | {gate_n} | {gate_ir:,.0f} |")
+        print(f"| idemgate, {args.store} store, new keys | {gate_n} | {gate_ir:,.0f} |")
         print(f"\nidemgate / nginx: {gate_ir / nginx_ir:.2f}×")
     finally:
         procs.stop_all()
