@@ -353,6 +353,14 @@ impl Drop for Sender {
     }
 }
 
+/// Whether `error` is a server's refusal of `SET ... NX ... GET`: before
+/// Redis 7, `ERR syntax error`. Any other error (`OOM`, a server going
+/// read-only, ...) says nothing of what the server takes.
+fn refuses_nx_get(error: &RedisError) -> bool {
+    error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError)
+        && error.detail().is_some_and(|detail| detail.starts_with("syntax error"))
+}
+
 fn unavailable(e: RedisError) -> StoreError {
     StoreError::Unavailable(Box::new(e))
 }
@@ -527,7 +535,7 @@ impl RedisStore {
         let mut connection = self.connection().await?;
         match connection.query::<Option<Vec<u8>>>(&command).await {
             Ok(found) => Ok(found),
-            Err(error) if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => {
+            Err(error) if refuses_nx_get(&error) => {
                 tracing::info!(%error, "this Redis refuses SET NX GET; claiming with a script instead");
                 self.native_claim.store(false, Ordering::Relaxed);
                 self.claim_by_script(key, claim, lease, 0).await
@@ -852,6 +860,22 @@ async fn listen(nodes: Vec<redis::Client>, waiters: Arc<Waiters>, listening: Arc
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_syntax_error_says_the_server_refuses_set_nx_get() {
+        let answer = |wire: &[u8]| redis::parse_redis_value(wire).unwrap().extract_error().unwrap_err();
+        assert!(refuses_nx_get(&answer(b"-ERR syntax error\r\n")));
+        for other in [
+            &b"-ERR max number of clients reached\r\n"[..],
+            b"-ERR invalid password\r\n",
+            b"-ERR DB index is out of range\r\n",
+            b"-OOM command not allowed when used memory > 'maxmemory'.\r\n",
+            b"-READONLY You can't write against a read only replica.\r\n",
+            b"-NOAUTH Authentication required.\r\n",
+        ] {
+            assert!(!refuses_nx_get(&answer(other)), "{other:?}");
+        }
+    }
 
     #[test]
     fn a_thread_never_gets_a_value_another_thread_made() {
