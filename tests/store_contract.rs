@@ -787,6 +787,45 @@ async fn redis_connections_log_in_and_select_the_urls_database() {
     assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
 }
 
+/// A server that turns a connection away as it accepts it (its client
+/// limit reached) makes that claim unavailable and nothing more: once it
+/// takes connections again, claims go on by the native `SET ... NX GET`.
+/// Its refusal read as the answer to that `SET` would switch the store to
+/// the claim script for good.
+#[tokio::test]
+async fn redis_turning_a_connection_away_leaves_the_native_claim_in_use() {
+    use std::io::{Read, Write};
+    let server = support::redis::RedisServer::start();
+    server.cli(&["config", "set", "maxclients", "1"]).unwrap();
+    let mut only = std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    only.write_all(b"PING\r\n").unwrap();
+    let mut pong = [0u8; 7];
+    only.read_exact(&mut pong).unwrap();
+    assert_eq!(&pong, b"+PONG\r\n");
+
+    let store = RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap();
+    let refused = store.claim(&key(), &A, Owner::new(), LONG, None).await;
+    assert!(matches!(refused, Err(StoreError::Unavailable(_))), "{refused:?}");
+    drop(only);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while server
+        .cli(&["config", "set", "maxclients", "100"])
+        .as_deref()
+        .map(str::trim)
+        != Some("OK")
+    {
+        assert!(Instant::now() < deadline, "redis-cli never got in");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for _ in 0..2 {
+        let claimed = store.claim(&key(), &A, Owner::new(), LONG, None).await;
+        assert!(matches!(claimed, Ok(Claim::Claimed)), "{claimed:?}");
+    }
+    let stats = server.cli(&["info", "commandstats"]).unwrap();
+    assert!(stats.contains("cmdstat_set:calls=2,"), "{stats}");
+    assert!(!stats.contains("cmdstat_eval"), "{stats}");
+}
+
 /// Many commands in flight on one thread's connection, with records larger
 /// than a socket's buffers, so both ways are cut into many writes and
 /// reads: each command still gets its own answer.

@@ -15,11 +15,19 @@
 //! one fails every command sent on it and not yet answered (each may or
 //! may not have run, as with any connection that drops), and the next
 //! command connects anew; at most one connect is in flight, and commands
-//! sent meanwhile wait for it in the buffer. A server that stops
-//! answering holds at most [`MAX_WAITING`] commands of a connection; past
-//! that, a command fails at once rather than pile up behind them.
-//! Clusters and the completion subscription keep the redis crate's
-//! connections.
+//! sent meanwhile wait for it in the buffer. A command whose caller gave
+//! up (its deadline passed) while it waited there is never written: a
+//! claim sent late would hold its key for a lease nobody owns. A server
+//! that stops answering holds at most [`MAX_WAITING`] commands or
+//! [`MAX_UNSENT`] bytes of a connection; past that, a command fails at
+//! once rather than pile up behind them.
+//!
+//! Every connection opens with its greeting (`AUTH` and `SELECT` as the
+//! URL asks, else `PING`), so a server that refuses it (a wrong password,
+//! no such database, its client limit reached) fails the connect, never a
+//! store command, which the store could take for a refusal of that
+//! command. Clusters and the completion subscription keep the redis
+//! crate's connections.
 
 use std::collections::VecDeque;
 use std::io;
@@ -96,6 +104,9 @@ impl Target {
         if self.db != 0 {
             commands.push(redis::cmd("SELECT").arg(self.db).clone());
         }
+        if commands.is_empty() {
+            commands.push(redis::cmd("PING"));
+        }
         commands
     }
 }
@@ -106,6 +117,10 @@ impl Target {
 /// would otherwise gather every command sent until the callers' deadlines
 /// and TCP give up, each with its record.
 pub const MAX_WAITING: usize = 1 << 16;
+
+/// How many bytes of commands one connection holds not yet written: the
+/// same bound, for commands carrying large records.
+pub const MAX_UNSENT: usize = 64 << 20;
 
 /// A handle on this thread's connection; clones share it.
 #[derive(Clone)]
@@ -126,11 +141,18 @@ struct State {
     link: Link,
     /// Commands not yet written.
     out: Vec<u8>,
-    /// A slot for each command sent and not yet answered, oldest first
-    /// (those still in `out` included).
-    waiting: VecDeque<oneshot::Sender<RedisResult<Value>>>,
+    /// Each command sent and not yet answered, oldest first; the last
+    /// `unsent` of them are those in `out`.
+    waiting: VecDeque<Waiting>,
+    unsent: usize,
     /// The reader and writer of the live connection.
     tasks: Vec<AbortHandle>,
+}
+
+/// A command's slot for its answer, and its length in bytes.
+struct Waiting {
+    slot: oneshot::Sender<RedisResult<Value>>,
+    len: usize,
 }
 
 enum Link {
@@ -159,6 +181,7 @@ impl Connection {
                     link: Link::Down,
                     out: Vec::new(),
                     waiting: VecDeque::new(),
+                    unsent: 0,
                     tasks: Vec::new(),
                 }),
             }),
@@ -185,6 +208,12 @@ impl Connection {
                 "Redis has not answered the {MAX_WAITING} commands before this one"
             )));
         }
+        if state.out.len() >= MAX_UNSENT {
+            return Err(broken(format!(
+                "Redis has not taken the {} bytes of commands before this one",
+                state.out.len()
+            )));
+        }
         let wake = match state.link {
             Link::Up => state.out.is_empty(),
             Link::Connecting => false,
@@ -194,13 +223,39 @@ impl Connection {
                 false
             }
         };
+        let before = state.out.len();
         command.write_packed_command(&mut state.out);
-        state.waiting.push_back(slot);
+        let len = state.out.len() - before;
+        state.waiting.push_back(Waiting { slot, len });
+        state.unsent += 1;
         drop(state);
         if wake {
             self.written.notify_one();
         }
         Ok(answer)
+    }
+}
+
+impl State {
+    /// Moves the commands not yet written into `batch` (left empty),
+    /// leaving out those whose callers have given up on them.
+    fn take_unsent(&mut self, batch: &mut Vec<u8>) {
+        let first = self.waiting.len() - self.unsent;
+        if self.waiting.range(first..).any(|command| command.slot.is_closed()) {
+            let mut at = 0;
+            for command in self.waiting.drain(first..).collect::<Vec<_>>() {
+                let end = at + command.len;
+                if !command.slot.is_closed() {
+                    batch.extend_from_slice(&self.out[at..end]);
+                    self.waiting.push_back(command);
+                }
+                at = end;
+            }
+            self.out.clear();
+        } else {
+            std::mem::swap(&mut self.out, batch);
+        }
+        self.unsent = 0;
     }
 }
 
@@ -216,13 +271,14 @@ impl Shared {
             state.epoch += 1;
             state.link = Link::Down;
             state.out.clear();
+            state.unsent = 0;
             (std::mem::take(&mut state.waiting), std::mem::take(&mut state.tasks))
         };
         for task in tasks {
             task.abort();
         }
-        for slot in waiting {
-            let _ = slot.send(Err(error.clone()));
+        for command in waiting {
+            let _ = command.slot.send(Err(error.clone()));
         }
     }
 
@@ -245,6 +301,30 @@ impl Shared {
     }
 }
 
+/// Ends the connection of its epoch when dropped: a task of it that stops
+/// for whatever reason (its work done, a panic, its runtime shut down)
+/// takes the connection down rather than leave commands waiting on nobody.
+/// Once the connection has changed it does nothing.
+struct EndsWith {
+    shared: Weak<Shared>,
+    epoch: u64,
+}
+
+impl EndsWith {
+    /// Keeps the connection when dropped.
+    fn disarm(&mut self) {
+        self.shared = Weak::new();
+    }
+}
+
+impl Drop for EndsWith {
+    fn drop(&mut self) {
+        if let Some(shared) = self.shared.upgrade() {
+            shared.fail(self.epoch, &broken("the Redis connection's task stopped".to_owned()));
+        }
+    }
+}
+
 fn broken(detail: String) -> RedisError {
     RedisError::from(io::Error::new(io::ErrorKind::ConnectionAborted, detail))
 }
@@ -256,6 +336,10 @@ fn protocol(detail: String) -> RedisError {
 /// Connects for `epoch`, says the greeting, and starts the connection's
 /// tasks; or fails the commands that waited for it.
 async fn connect(weak: Weak<Shared>, written: Arc<Notify>, epoch: u64) {
+    let mut ends = EndsWith {
+        shared: weak.clone(),
+        epoch,
+    };
     let Some(target) = weak.upgrade().map(|shared| shared.target.clone()) else {
         return;
     };
@@ -269,6 +353,7 @@ async fn connect(weak: Weak<Shared>, written: Arc<Notify>, epoch: u64) {
     let Some(shared) = weak.upgrade() else {
         return;
     };
+    ends.disarm();
     match opened {
         Ok(Stream::Tcp(stream)) => {
             let (source, sink) = stream.into_split();
@@ -299,16 +384,15 @@ async fn open(target: &Target) -> RedisResult<Stream> {
         Address::Unix(path) => Stream::Unix(tokio::net::UnixStream::connect(path).await?),
     };
     let greeting = target.greeting();
-    if !greeting.is_empty() {
-        match &mut stream {
-            Stream::Tcp(stream) => greet(stream, &greeting).await?,
-            Stream::Unix(stream) => greet(stream, &greeting).await?,
-        }
+    match &mut stream {
+        Stream::Tcp(stream) => greet(stream, &greeting).await?,
+        Stream::Unix(stream) => greet(stream, &greeting).await?,
     }
     Ok(stream)
 }
 
-/// Sends `commands` and checks that each was answered without an error.
+/// Sends `commands` and checks that each was answered without an error;
+/// an error answer fails as a connection refused, whatever its kind.
 async fn greet<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, commands: &[Cmd]) -> RedisResult<()> {
     let mut out = Vec::new();
     for command in commands {
@@ -323,7 +407,12 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, commands: &[Cm
         }
         while let Some((value, used)) = parse(&buf)? {
             buf.advance(used);
-            value.extract_error()?;
+            if let Err(error) = value.extract_error() {
+                return Err(RedisError::from(io::Error::new(
+                    io::ErrorKind::ConnectionRefused,
+                    format!("Redis refused to set up the connection: {error}"),
+                )));
+            }
             answered += 1;
         }
     }
@@ -333,6 +422,10 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, commands: &[Cm
 /// Writes whatever commands have gathered, in one write, until the
 /// connection of `epoch` ends.
 async fn write<W: AsyncWrite + Unpin>(weak: Weak<Shared>, written: Arc<Notify>, epoch: u64, mut sink: W) {
+    let _ends = EndsWith {
+        shared: weak.clone(),
+        epoch,
+    };
     let mut batch = Vec::new();
     loop {
         {
@@ -343,7 +436,7 @@ async fn write<W: AsyncWrite + Unpin>(weak: Weak<Shared>, written: Arc<Notify>, 
             if state.epoch != epoch {
                 return;
             }
-            std::mem::swap(&mut state.out, &mut batch);
+            state.take_unsent(&mut batch);
         }
         if batch.is_empty() {
             written.notified().await;
@@ -366,6 +459,10 @@ async fn write<W: AsyncWrite + Unpin>(weak: Weak<Shared>, written: Arc<Notify>, 
 /// Reads answers and hands each to its command's slot, until the
 /// connection of `epoch` ends.
 async fn read<R: AsyncRead + Unpin>(weak: Weak<Shared>, epoch: u64, mut source: R) {
+    let _ends = EndsWith {
+        shared: weak.clone(),
+        epoch,
+    };
     let mut buf = BytesMut::with_capacity(16 << 10);
     let mut answers = Vec::new();
     let mut slots = Vec::new();
@@ -397,12 +494,12 @@ async fn read<R: AsyncRead + Unpin>(weak: Weak<Shared>, epoch: u64, mut source: 
             if state.epoch != epoch {
                 return;
             }
-            if state.waiting.len() < answers.len() {
+            if state.waiting.len() - state.unsent < answers.len() {
                 drop(state);
                 let error = protocol(format!("{} answers to no command", answers.len()));
                 return shared.fail(epoch, &error);
             }
-            slots.extend(state.waiting.drain(..answers.len()));
+            slots.extend(state.waiting.drain(..answers.len()).map(|command| command.slot));
         }
         for (slot, answer) in slots.drain(..).zip(answers.drain(..)) {
             let _ = slot.send(Ok(answer));
@@ -417,6 +514,9 @@ const MAX_DEPTH: usize = 8;
 /// The longest line before a bulk string's data (type, length, CRLF), or a
 /// simple string or error.
 const MAX_LINE: usize = 64 << 10;
+
+/// The longest bulk string Redis sends (its `proto-max-bulk-len`).
+const MAX_BULK: usize = 512 << 20;
 
 /// Parses one RESP2 answer from the front of `buf`: the value and the bytes
 /// it took, or `None` while it has not all arrived.
@@ -443,12 +543,13 @@ fn parse_at(buf: &[u8], at: usize, depth: usize) -> RedisResult<Option<(Value, u
         b'-' => redis::parse_redis_value(&buf[at..next])?,
         b':' => Value::Int(number(line)?),
         b'$' => {
-            let Ok(len) = usize::try_from(number(line)?) else {
+            let Some(len) = length(line)? else {
                 return Ok(Some((Value::Nil, next)));
             };
-            let end = next
-                .checked_add(len)
-                .ok_or_else(|| protocol("a bulk string too long".to_owned()))?;
+            if len > MAX_BULK {
+                return Err(protocol(format!("a bulk string of {len} bytes")));
+            }
+            let end = next + len;
             if buf.len() < end + 2 {
                 return Ok(None);
             }
@@ -458,7 +559,7 @@ fn parse_at(buf: &[u8], at: usize, depth: usize) -> RedisResult<Option<(Value, u
             return Ok(Some((Value::BulkString(buf[next..end].to_vec()), end + 2)));
         }
         b'*' => {
-            let Ok(count) = usize::try_from(number(line)?) else {
+            let Some(count) = length(line)? else {
                 return Ok(Some((Value::Nil, next)));
             };
             if depth == MAX_DEPTH {
@@ -478,6 +579,16 @@ fn parse_at(buf: &[u8], at: usize, depth: usize) -> RedisResult<Option<(Value, u
         other => return Err(protocol(format!("an answer of type {:?}", other as char))),
     };
     Ok(Some((value, next)))
+}
+
+/// A bulk string's or list's length: `None` for -1 (nil).
+fn length(digits: &[u8]) -> RedisResult<Option<usize>> {
+    match number(digits)? {
+        -1 => Ok(None),
+        len => usize::try_from(len)
+            .map(Some)
+            .map_err(|_| protocol(format!("a length of {len}"))),
+    }
 }
 
 fn number(digits: &[u8]) -> RedisResult<i64> {
@@ -516,17 +627,10 @@ mod tests {
         }
     }
 
-    /// A peer that reads every command and answers none, as a Redis that
-    /// stopped answering: a connection holds [`MAX_WAITING`] commands, the
-    /// next fails at once, and when the peer goes away every held command
-    /// gets the error.
-    #[tokio::test]
-    async fn a_server_that_stops_answering_holds_a_bounded_number_of_commands() {
+    /// A connection to whatever listens at `address`.
+    fn connection_to(address: std::net::SocketAddr) -> Connection {
         use redis::IntoConnectionInfo;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let info = format!("redis://{}/0", listener.local_addr().unwrap())
-            .into_connection_info()
-            .unwrap();
+        let info = format!("redis://{address}/0").into_connection_info().unwrap();
         let target = Target::new(
             &info,
             Duration::from_secs(2),
@@ -534,23 +638,109 @@ mod tests {
             TcpKeepalive::new(),
         )
         .unwrap();
-        let connection = Connection::new(Arc::new(target));
+        Connection::new(Arc::new(target))
+    }
+
+    /// Reads from `peer` until `expected` has come, and checks that it is
+    /// what came.
+    async fn receive(peer: &mut tokio::net::TcpStream, expected: &[u8]) {
+        let mut got = Vec::new();
+        while got.len() < expected.len() {
+            let mut buf = vec![0u8; 1 << 16];
+            let n = peer.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed after {} bytes", got.len());
+            got.extend_from_slice(&buf[..n]);
+        }
+        assert!(got == expected, "{:?}", String::from_utf8_lossy(&got));
+    }
+
+    fn echo(word: &str) -> Cmd {
+        redis::cmd("ECHO").arg(word).clone()
+    }
+
+    /// A peer that reads every command and answers none, as a Redis that
+    /// stopped answering: a connection holds [`MAX_WAITING`] commands, the
+    /// next fails at once, and when the peer goes away every held command
+    /// gets the error.
+    #[tokio::test]
+    async fn a_server_that_stops_answering_holds_a_bounded_number_of_commands() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let connection = connection_to(listener.local_addr().unwrap());
         let ping = redis::cmd("PING");
         let held: Vec<_> = (0..MAX_WAITING).map(|_| connection.send(&ping).unwrap()).collect();
         assert!(connection.send(&ping).is_err());
 
         let (mut peer, _) = listener.accept().await.unwrap();
-        let expected = MAX_WAITING * ping.get_packed_command().len();
-        let (mut buf, mut read) = (vec![0u8; 1 << 16], 0);
-        while read < expected {
-            let n = peer.read(&mut buf).await.unwrap();
-            assert!(n > 0);
-            read += n;
-        }
-        assert_eq!(read, expected, "each command sent once");
+        let packed = ping.get_packed_command();
+        receive(&mut peer, &packed).await;
+        peer.write_all(b"+PONG\r\n").await.unwrap();
+        receive(&mut peer, &packed.repeat(MAX_WAITING)).await;
         drop(peer);
         for answer in held {
             assert!(answer.await.unwrap().is_err());
+        }
+    }
+
+    /// Commands wait while the connection is set up; those whose callers
+    /// give up meanwhile are never written, the others are, in order.
+    #[tokio::test]
+    async fn commands_given_up_before_they_are_written_are_never_sent() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let connection = connection_to(listener.local_addr().unwrap());
+        let first = connection.send(&echo("first")).unwrap();
+        let kept = connection.send(&echo("kept")).unwrap();
+        let last = connection.send(&echo("last")).unwrap();
+
+        let (mut peer, _) = listener.accept().await.unwrap();
+        receive(&mut peer, &redis::cmd("PING").get_packed_command()).await;
+        drop((first, last));
+        peer.write_all(b"+PONG\r\n").await.unwrap();
+        receive(&mut peer, &echo("kept").get_packed_command()).await;
+        peer.write_all(b"$4\r\nkept\r\n").await.unwrap();
+        assert_eq!(kept.await.unwrap().unwrap(), Value::BulkString(b"kept".to_vec()));
+
+        let after = connection.send(&echo("after")).unwrap();
+        receive(&mut peer, &echo("after").get_packed_command()).await;
+        peer.write_all(b"$5\r\nafter\r\n").await.unwrap();
+        assert_eq!(after.await.unwrap().unwrap(), Value::BulkString(b"after".to_vec()));
+    }
+
+    /// The connection's tasks go with the runtime they ran on; the next
+    /// command, on another runtime, connects anew instead of waiting on a
+    /// writer that is gone.
+    #[test]
+    fn a_connection_outlives_the_runtime_its_tasks_ran_on() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let connection = connection_to(listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            for peer in listener.incoming() {
+                let mut peer = peer.unwrap();
+                std::thread::spawn(move || {
+                    use std::io::{Read, Write};
+                    let ping = redis::cmd("PING").get_packed_command();
+                    let (mut buf, mut pending) = (vec![0u8; 4096], 0);
+                    while let Ok(n @ 1..) = peer.read(&mut buf) {
+                        pending += n;
+                        let whole = pending / ping.len();
+                        pending %= ping.len();
+                        if peer.write_all(&b"+PONG\r\n".repeat(whole)).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let command = redis::cmd("PING");
+        let ping = || async {
+            let answer = tokio::time::timeout(Duration::from_secs(2), connection.query::<String>(&command));
+            answer.await.expect("answered in time").unwrap()
+        };
+        for _ in 0..2 {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            assert_eq!(runtime.block_on(ping()), "PONG");
         }
     }
 
@@ -585,6 +775,9 @@ mod tests {
             b"+OK\n",
             b"\r\n",
             b"*9\r\n*9\r\n*9\r\n*9\r\n*9\r\n*9\r\n*9\r\n*9\r\n*9\r\n",
+            b"$-2\r\n",
+            b"*-5\r\n",
+            b"$536870913\r\n",
         ] {
             assert!(parse(wire).is_err(), "{wire:?}");
         }
