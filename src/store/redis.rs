@@ -132,12 +132,15 @@ const RELEASE: &str = "redis.call('DEL', KEYS[1])\nreturn 1\n";
 /// slots), each owner-checked on its own: ARGV holds owner token, record
 /// and TTL for each key in turn. Returns per key 1 (completed), 0 (not the
 /// owner's) or -1 (Redis refused the write: that key alone fails, as a
-/// script that stops half way would keep what it wrote).
+/// script that stops half way would keep what it wrote). One `MGET` reads
+/// them all: a call from Lua costs more than the read (redis-server's
+/// instructions per record, batches of nine: -1.7k against a `GET` each).
 const COMPLETE_MANY: &str = concat!(
+    "local found = redis.call('MGET', unpack(KEYS))\n",
     "local done = {}\n",
     "for i = 1, #KEYS do\n",
     "  local a = (i - 1) * 3\n",
-    "  local v = redis.call('GET', KEYS[i])\n",
+    "  local v = found[i]\n",
     "  if v and string.byte(v, 2) == 0 and string.sub(v, 35, 50) == ARGV[a + 1] then\n",
     "    local set = redis.pcall('SET', KEYS[i], ARGV[a + 2], 'PX', ARGV[a + 3])\n",
     "    if type(set) == 'table' and set.err then\n",
