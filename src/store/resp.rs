@@ -214,12 +214,15 @@ impl Connection {
                 state.out.len()
             )));
         }
+        let mut connect_on = None;
         let wake = match state.link {
             Link::Up => state.out.is_empty(),
             Link::Connecting => false,
             Link::Down => {
+                let runtime = tokio::runtime::Handle::try_current()
+                    .map_err(|_| broken("a Redis connection is made on a Tokio runtime".to_owned()))?;
                 state.link = Link::Connecting;
-                tokio::spawn(connect(Arc::downgrade(&self.shared), self.written.clone(), state.epoch));
+                connect_on = Some((runtime, state.epoch));
                 false
             }
         };
@@ -231,6 +234,15 @@ impl Connection {
         drop(state);
         if wake {
             self.written.notify_one();
+        }
+        // Spawned once the lock is let go: a runtime shutting down drops
+        // the task at once, and its guard fails the connection.
+        if let Some((runtime, epoch)) = connect_on {
+            let ends = EndsWith {
+                shared: Arc::downgrade(&self.shared),
+                epoch,
+            };
+            runtime.spawn(connect(ends, self.written.clone()));
         }
         Ok(answer)
     }
@@ -251,11 +263,19 @@ impl State {
                 }
                 at = end;
             }
-            self.out.clear();
+            self.clear_out();
         } else {
             std::mem::swap(&mut self.out, batch);
         }
         self.unsent = 0;
+    }
+
+    /// Empties `out`, letting go of what a burst of large records grew.
+    fn clear_out(&mut self) {
+        self.out.clear();
+        if self.out.capacity() > 1 << 20 {
+            self.out = Vec::new();
+        }
     }
 }
 
@@ -270,7 +290,7 @@ impl Shared {
             }
             state.epoch += 1;
             state.link = Link::Down;
-            state.out.clear();
+            state.clear_out();
             state.unsent = 0;
             (std::mem::take(&mut state.waiting), std::mem::take(&mut state.tasks))
         };
@@ -282,29 +302,48 @@ impl Shared {
         }
     }
 
-    /// Starts the reader and writer of a new connection.
+    /// Starts the reader and writer of a new connection. They are spawned
+    /// with the lock let go, as a task dropped at once (its runtime
+    /// shutting down) fails the connection through its guard.
     fn start<R, W>(self: &Arc<Self>, written: Arc<Notify>, epoch: u64, source: R, sink: W)
     where
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
+        {
+            let mut state = lock(&self.state);
+            if state.epoch != epoch {
+                return;
+            }
+            state.link = Link::Up;
+        }
+        let ends = || EndsWith {
+            shared: Arc::downgrade(self),
+            epoch,
+        };
+        let tasks = vec![
+            tokio::spawn(read(ends(), source)).abort_handle(),
+            tokio::spawn(write(ends(), written, sink)).abort_handle(),
+        ];
         let mut state = lock(&self.state);
-        if state.epoch != epoch {
+        if state.epoch == epoch {
+            state.tasks = tasks;
             return;
         }
-        state.link = Link::Up;
-        let weak = Arc::downgrade(self);
-        state.tasks = vec![
-            tokio::spawn(read(weak.clone(), epoch, source)).abort_handle(),
-            tokio::spawn(write(weak, written, epoch, sink)).abort_handle(),
-        ];
+        // Failed already (a task ended at once): stop the other.
+        drop(state);
+        for task in tasks {
+            task.abort();
+        }
     }
 }
 
 /// Ends the connection of its epoch when dropped: a task of it that stops
-/// for whatever reason (its work done, a panic, its runtime shut down)
-/// takes the connection down rather than leave commands waiting on nobody.
-/// Once the connection has changed it does nothing.
+/// for whatever reason (its work done, a panic, its runtime shut down,
+/// before it ever ran) takes the connection down rather than leave
+/// commands waiting on nobody. Once the connection has changed it does
+/// nothing. Each task gets its guard as an argument, so that it lives in
+/// the task's future from the spawn on.
 struct EndsWith {
     shared: Weak<Shared>,
     epoch: u64,
@@ -335,11 +374,8 @@ fn protocol(detail: String) -> RedisError {
 
 /// Connects for `epoch`, says the greeting, and starts the connection's
 /// tasks; or fails the commands that waited for it.
-async fn connect(weak: Weak<Shared>, written: Arc<Notify>, epoch: u64) {
-    let mut ends = EndsWith {
-        shared: weak.clone(),
-        epoch,
-    };
+async fn connect(mut ends: EndsWith, written: Arc<Notify>) {
+    let (weak, epoch) = (ends.shared.clone(), ends.epoch);
     let Some(target) = weak.upgrade().map(|shared| shared.target.clone()) else {
         return;
     };
@@ -383,19 +419,21 @@ async fn open(target: &Target) -> RedisResult<Stream> {
         }
         Address::Unix(path) => Stream::Unix(tokio::net::UnixStream::connect(path).await?),
     };
-    let greeting = target.greeting();
     match &mut stream {
-        Stream::Tcp(stream) => greet(stream, &greeting).await?,
-        Stream::Unix(stream) => greet(stream, &greeting).await?,
+        Stream::Tcp(stream) => greet(stream, target).await?,
+        Stream::Unix(stream) => greet(stream, target).await?,
     }
     Ok(stream)
 }
 
-/// Sends `commands` and checks that each was answered without an error;
-/// an error answer fails as a connection refused, whatever its kind.
-async fn greet<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, commands: &[Cmd]) -> RedisResult<()> {
+/// Sends `target`'s greeting and checks that each command was answered
+/// without an error; an error answer fails as a connection refused,
+/// whatever its kind, and never repeats the password (a server that knows
+/// no `AUTH` may quote its arguments).
+async fn greet<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, target: &Target) -> RedisResult<()> {
+    let commands = target.greeting();
     let mut out = Vec::new();
-    for command in commands {
+    for command in &commands {
         command.write_packed_command(&mut out);
     }
     stream.write_all(&out).await?;
@@ -408,9 +446,13 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, commands: &[Cm
         while let Some((value, used)) = parse(&buf)? {
             buf.advance(used);
             if let Err(error) = value.extract_error() {
+                let mut detail = format!("Redis refused to set up the connection: {error}");
+                if let Some(password) = target.password.as_deref().filter(|p| !p.is_empty()) {
+                    detail = detail.replace(password, "<password>");
+                }
                 return Err(RedisError::from(io::Error::new(
                     io::ErrorKind::ConnectionRefused,
-                    format!("Redis refused to set up the connection: {error}"),
+                    detail,
                 )));
             }
             answered += 1;
@@ -421,11 +463,8 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, commands: &[Cm
 
 /// Writes whatever commands have gathered, in one write, until the
 /// connection of `epoch` ends.
-async fn write<W: AsyncWrite + Unpin>(weak: Weak<Shared>, written: Arc<Notify>, epoch: u64, mut sink: W) {
-    let _ends = EndsWith {
-        shared: weak.clone(),
-        epoch,
-    };
+async fn write<W: AsyncWrite + Unpin>(ends: EndsWith, written: Arc<Notify>, mut sink: W) {
+    let (weak, epoch) = (ends.shared.clone(), ends.epoch);
     let mut batch = Vec::new();
     loop {
         {
@@ -458,11 +497,8 @@ async fn write<W: AsyncWrite + Unpin>(weak: Weak<Shared>, written: Arc<Notify>, 
 
 /// Reads answers and hands each to its command's slot, until the
 /// connection of `epoch` ends.
-async fn read<R: AsyncRead + Unpin>(weak: Weak<Shared>, epoch: u64, mut source: R) {
-    let _ends = EndsWith {
-        shared: weak.clone(),
-        epoch,
-    };
+async fn read<R: AsyncRead + Unpin>(ends: EndsWith, mut source: R) {
+    let (weak, epoch) = (ends.shared.clone(), ends.epoch);
     let mut buf = BytesMut::with_capacity(16 << 10);
     let mut answers = Vec::new();
     let mut slots = Vec::new();
@@ -521,10 +557,14 @@ const MAX_BULK: usize = 512 << 20;
 /// Parses one RESP2 answer from the front of `buf`: the value and the bytes
 /// it took, or `None` while it has not all arrived.
 fn parse(buf: &[u8]) -> RedisResult<Option<(Value, usize)>> {
-    parse_at(buf, 0, 0)
+    parse_at(buf, 0, 0, true)
 }
 
-fn parse_at(buf: &[u8], at: usize, depth: usize) -> RedisResult<Option<(Value, usize)>> {
+/// [`parse`] from `at`, `depth` lists deep. With `build` false it only
+/// finds where the answer ends (its value a placeholder): a list is walked
+/// to its end that way before its items are made, so one that arrives in
+/// many reads is not copied out again at each.
+fn parse_at(buf: &[u8], at: usize, depth: usize, build: bool) -> RedisResult<Option<(Value, usize)>> {
     let rest = &buf[at..];
     let Some(lf) = rest.iter().take(MAX_LINE).position(|&b| b == b'\n') else {
         if rest.len() >= MAX_LINE {
@@ -538,6 +578,7 @@ fn parse_at(buf: &[u8], at: usize, depth: usize) -> RedisResult<Option<(Value, u
     let line = &rest[1..lf - 1];
     let next = at + lf + 1;
     let value = match rest[0] {
+        b'+' | b'-' if !build => Value::Nil,
         b'+' if line == b"OK" => Value::Okay,
         b'+' => Value::SimpleString(String::from_utf8_lossy(line).into_owned()),
         b'-' => redis::parse_redis_value(&buf[at..next])?,
@@ -556,7 +597,12 @@ fn parse_at(buf: &[u8], at: usize, depth: usize) -> RedisResult<Option<(Value, u
             if &buf[end..end + 2] != b"\r\n" {
                 return Err(protocol("a bulk string longer than it said".to_owned()));
             }
-            return Ok(Some((Value::BulkString(buf[next..end].to_vec()), end + 2)));
+            let value = if build {
+                Value::BulkString(buf[next..end].to_vec())
+            } else {
+                Value::Nil
+            };
+            return Ok(Some((value, end + 2)));
         }
         b'*' => {
             let Some(count) = length(line)? else {
@@ -565,12 +611,21 @@ fn parse_at(buf: &[u8], at: usize, depth: usize) -> RedisResult<Option<(Value, u
             if depth == MAX_DEPTH {
                 return Err(protocol("answers nested too deep".to_owned()));
             }
+            let mut end = next;
+            for _ in 0..count {
+                let Some((_, after)) = parse_at(buf, end, depth + 1, false)? else {
+                    return Ok(None);
+                };
+                end = after;
+            }
+            if !build {
+                return Ok(Some((Value::Nil, end)));
+            }
             let mut items = Vec::with_capacity(count.min(64));
             let mut at = next;
             for _ in 0..count {
-                let Some((item, after)) = parse_at(buf, at, depth + 1)? else {
-                    return Ok(None);
-                };
+                let (item, after) = parse_at(buf, at, depth + 1, true)?
+                    .ok_or_else(|| protocol("a list that ended, then did not".to_owned()))?;
                 items.push(item);
                 at = after;
             }
@@ -705,13 +760,10 @@ mod tests {
         assert_eq!(after.await.unwrap().unwrap(), Value::BulkString(b"after".to_vec()));
     }
 
-    /// The connection's tasks go with the runtime they ran on; the next
-    /// command, on another runtime, connects anew instead of waiting on a
-    /// writer that is gone.
-    #[test]
-    fn a_connection_outlives_the_runtime_its_tasks_ran_on() {
+    /// A peer that answers every `PING` it reads, on each connection.
+    fn pinged_peer() -> std::net::SocketAddr {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let connection = connection_to(listener.local_addr().unwrap());
+        let address = listener.local_addr().unwrap();
         std::thread::spawn(move || {
             for peer in listener.incoming() {
                 let mut peer = peer.unwrap();
@@ -730,18 +782,86 @@ mod tests {
                 });
             }
         });
+        address
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// `PING` on `connection`, on `runtime`, answered within 2 s.
+    fn ping(runtime: &tokio::runtime::Runtime, connection: &Connection) -> String {
         let command = redis::cmd("PING");
-        let ping = || async {
-            let answer = tokio::time::timeout(Duration::from_secs(2), connection.query::<String>(&command));
-            answer.await.expect("answered in time").unwrap()
-        };
+        let answer = runtime.block_on(async {
+            tokio::time::timeout(Duration::from_secs(2), connection.query::<String>(&command)).await
+        });
+        answer.expect("answered in time").unwrap()
+    }
+
+    /// The connection's tasks go with the runtime they ran on; the next
+    /// command, on another runtime, connects anew instead of waiting on a
+    /// writer that is gone.
+    #[test]
+    fn a_connection_outlives_the_runtime_its_tasks_ran_on() {
+        let connection = connection_to(pinged_peer());
         for _ in 0..2 {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            assert_eq!(runtime.block_on(ping()), "PONG");
+            assert_eq!(ping(&runtime(), &connection), "PONG");
         }
+    }
+
+    /// A connect spawned on a runtime that never ran it (shut down first)
+    /// fails the command that started it, and the next command connects.
+    #[test]
+    fn a_connect_its_runtime_never_ran_leaves_the_connection_usable() {
+        let connection = connection_to(pinged_peer());
+        let first = runtime();
+        let answer = {
+            let _inside = first.enter();
+            connection.send(&redis::cmd("PING")).unwrap()
+        };
+        drop(first);
+        let second = runtime();
+        let failed = second.block_on(async { tokio::time::timeout(Duration::from_secs(2), answer).await });
+        assert!(matches!(failed, Ok(Ok(Err(_)))), "{failed:?}");
+        assert_eq!(ping(&second, &connection), "PONG");
+    }
+
+    /// A command sent where no runtime runs fails, and leaves the
+    /// connection to the next one.
+    #[test]
+    fn a_command_sent_outside_a_runtime_fails_and_changes_nothing() {
+        let connection = connection_to(pinged_peer());
+        assert!(connection.send(&redis::cmd("PING")).is_err());
+        assert_eq!(ping(&runtime(), &connection), "PONG");
+    }
+
+    /// A server that knows no `AUTH` quotes its arguments back; the error
+    /// names the refusal and never the password.
+    #[tokio::test]
+    async fn a_refused_greeting_never_repeats_the_password() {
+        use redis::IntoConnectionInfo;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("redis://:hunter2@{}/0", listener.local_addr().unwrap());
+        let target = Target::new(
+            &url.into_connection_info().unwrap(),
+            Duration::from_secs(2),
+            Duration::from_secs(5),
+            TcpKeepalive::new(),
+        )
+        .unwrap();
+        let connection = Connection::new(Arc::new(target));
+        let answer = connection.send(&redis::cmd("PING")).unwrap();
+        let (mut peer, _) = listener.accept().await.unwrap();
+        receive(&mut peer, &redis::cmd("AUTH").arg("hunter2").get_packed_command()).await;
+        peer.write_all(b"-ERR unknown command 'AUTH', with args beginning with: 'hunter2' \r\n")
+            .await
+            .unwrap();
+        let error = answer.await.unwrap().unwrap_err().to_string();
+        assert!(error.contains("unknown command 'AUTH'"), "{error}");
+        assert!(!error.contains("hunter2"), "{error}");
     }
 
     #[test]
