@@ -263,19 +263,19 @@ impl State {
                 }
                 at = end;
             }
-            self.clear_out();
+            empty(&mut self.out);
         } else {
             std::mem::swap(&mut self.out, batch);
         }
         self.unsent = 0;
     }
+}
 
-    /// Empties `out`, letting go of what a burst of large records grew.
-    fn clear_out(&mut self) {
-        self.out.clear();
-        if self.out.capacity() > 1 << 20 {
-            self.out = Vec::new();
-        }
+/// Empties `buffer`, letting go of what a burst of large records grew.
+fn empty(buffer: &mut Vec<u8>) {
+    buffer.clear();
+    if buffer.capacity() > 1 << 20 {
+        *buffer = Vec::new();
     }
 }
 
@@ -290,7 +290,7 @@ impl Shared {
             }
             state.epoch += 1;
             state.link = Link::Down;
-            state.clear_out();
+            empty(&mut state.out);
             state.unsent = 0;
             (std::mem::take(&mut state.waiting), std::mem::take(&mut state.tasks))
         };
@@ -487,11 +487,7 @@ async fn write<W: AsyncWrite + Unpin>(ends: EndsWith, written: Arc<Notify>, mut 
             }
             return;
         }
-        batch.clear();
-        // A burst of large records grew it: let that memory go.
-        if batch.capacity() > 1 << 20 {
-            batch = Vec::new();
-        }
+        empty(&mut batch);
     }
 }
 
@@ -502,6 +498,10 @@ async fn read<R: AsyncRead + Unpin>(ends: EndsWith, mut source: R) {
     let mut buf = BytesMut::with_capacity(16 << 10);
     let mut answers = Vec::new();
     let mut slots = Vec::new();
+    // Whether the answer at the front has come in pieces: it is then walked
+    // to its end before it is parsed, as a long list parsed (its items
+    // copied out) at each read would cost its length squared.
+    let mut in_pieces = false;
     loop {
         let read = source.read_buf(&mut buf).await;
         let Some(shared) = weak.upgrade() else {
@@ -513,12 +513,19 @@ async fn read<R: AsyncRead + Unpin>(ends: EndsWith, mut source: R) {
             Ok(_) => {}
         }
         loop {
+            if in_pieces && matches!(parse_at(&buf, 0, 0, false), Ok(None)) {
+                break;
+            }
             match parse(&buf) {
                 Ok(Some((value, used))) => {
                     buf.advance(used);
                     answers.push(value);
+                    in_pieces = false;
                 }
-                Ok(None) => break,
+                Ok(None) => {
+                    in_pieces = !buf.is_empty();
+                    break;
+                }
                 Err(error) => return shared.fail(epoch, &error),
             }
         }
@@ -561,9 +568,7 @@ fn parse(buf: &[u8]) -> RedisResult<Option<(Value, usize)>> {
 }
 
 /// [`parse`] from `at`, `depth` lists deep. With `build` false it only
-/// finds where the answer ends (its value a placeholder): a list is walked
-/// to its end that way before its items are made, so one that arrives in
-/// many reads is not copied out again at each.
+/// walks to where the answer ends, its value a placeholder.
 fn parse_at(buf: &[u8], at: usize, depth: usize, build: bool) -> RedisResult<Option<(Value, usize)>> {
     let rest = &buf[at..];
     let Some(lf) = rest.iter().take(MAX_LINE).position(|&b| b == b'\n') else {
@@ -611,25 +616,19 @@ fn parse_at(buf: &[u8], at: usize, depth: usize, build: bool) -> RedisResult<Opt
             if depth == MAX_DEPTH {
                 return Err(protocol("answers nested too deep".to_owned()));
             }
-            let mut end = next;
-            for _ in 0..count {
-                let Some((_, after)) = parse_at(buf, end, depth + 1, false)? else {
-                    return Ok(None);
-                };
-                end = after;
-            }
-            if !build {
-                return Ok(Some((Value::Nil, end)));
-            }
-            let mut items = Vec::with_capacity(count.min(64));
+            let mut items = Vec::with_capacity(if build { count.min(64) } else { 0 });
             let mut at = next;
             for _ in 0..count {
-                let (item, after) = parse_at(buf, at, depth + 1, true)?
-                    .ok_or_else(|| protocol("a list that ended, then did not".to_owned()))?;
-                items.push(item);
+                let Some((item, after)) = parse_at(buf, at, depth + 1, build)? else {
+                    return Ok(None);
+                };
+                if build {
+                    items.push(item);
+                }
                 at = after;
             }
-            return Ok(Some((Value::Array(items), at)));
+            let value = if build { Value::Array(items) } else { Value::Nil };
+            return Ok(Some((value, at)));
         }
         other => return Err(protocol(format!("an answer of type {:?}", other as char))),
     };
