@@ -15,10 +15,11 @@
 //! one fails every command sent on it and not yet answered (each may or
 //! may not have run, as with any connection that drops), and the next
 //! command connects anew; at most one connect is in flight, and commands
-//! sent meanwhile wait for it in the buffer. A command whose caller gave
-//! up (its deadline passed) while it waited there is never written: a
-//! claim sent late would hold its key for a lease nobody owns. A server
-//! that stops answering holds at most [`MAX_WAITING`] commands or
+//! sent meanwhile wait for it in the buffer. A command is written even
+//! when its caller has stopped waiting for it: a release or completion
+//! that lands late still does its work (each checks its owner), and a
+//! claim answered late is released by [`StoreHandle`](super::StoreHandle),
+//! which sees it through. A server that stops answering holds at most [`MAX_WAITING`] commands or
 //! [`MAX_UNSENT`] bytes of a connection; past that, a command fails at
 //! once rather than pile up behind them.
 //!
@@ -141,18 +142,12 @@ struct State {
     link: Link,
     /// Commands not yet written.
     out: Vec<u8>,
-    /// Each command sent and not yet answered, oldest first; the last
-    /// `unsent` of them are those in `out`.
-    waiting: VecDeque<Waiting>,
+    /// A slot for each command sent and not yet answered, oldest first;
+    /// the last `unsent` of them are those still in `out`.
+    waiting: VecDeque<oneshot::Sender<RedisResult<Value>>>,
     unsent: usize,
     /// The reader and writer of the live connection.
     tasks: Vec<AbortHandle>,
-}
-
-/// A command's slot for its answer, and its length in bytes.
-struct Waiting {
-    slot: oneshot::Sender<RedisResult<Value>>,
-    len: usize,
 }
 
 enum Link {
@@ -226,10 +221,8 @@ impl Connection {
                 false
             }
         };
-        let before = state.out.len();
         command.write_packed_command(&mut state.out);
-        let len = state.out.len() - before;
-        state.waiting.push_back(Waiting { slot, len });
+        state.waiting.push_back(slot);
         state.unsent += 1;
         drop(state);
         if wake {
@@ -245,29 +238,6 @@ impl Connection {
             runtime.spawn(connect(ends, self.written.clone()));
         }
         Ok(answer)
-    }
-}
-
-impl State {
-    /// Moves the commands not yet written into `batch` (left empty),
-    /// leaving out those whose callers have given up on them.
-    fn take_unsent(&mut self, batch: &mut Vec<u8>) {
-        let first = self.waiting.len() - self.unsent;
-        if self.waiting.range(first..).any(|command| command.slot.is_closed()) {
-            let mut at = 0;
-            for command in self.waiting.drain(first..).collect::<Vec<_>>() {
-                let end = at + command.len;
-                if !command.slot.is_closed() {
-                    batch.extend_from_slice(&self.out[at..end]);
-                    self.waiting.push_back(command);
-                }
-                at = end;
-            }
-            empty(&mut self.out);
-        } else {
-            std::mem::swap(&mut self.out, batch);
-        }
-        self.unsent = 0;
     }
 }
 
@@ -297,8 +267,8 @@ impl Shared {
         for task in tasks {
             task.abort();
         }
-        for command in waiting {
-            let _ = command.slot.send(Err(error.clone()));
+        for slot in waiting {
+            let _ = slot.send(Err(error.clone()));
         }
     }
 
@@ -475,7 +445,8 @@ async fn write<W: AsyncWrite + Unpin>(ends: EndsWith, written: Arc<Notify>, mut 
             if state.epoch != epoch {
                 return;
             }
-            state.take_unsent(&mut batch);
+            std::mem::swap(&mut state.out, &mut batch);
+            state.unsent = 0;
         }
         if batch.is_empty() {
             written.notified().await;
@@ -542,7 +513,7 @@ async fn read<R: AsyncRead + Unpin>(ends: EndsWith, mut source: R) {
                 let error = protocol(format!("{} answers to no command", answers.len()));
                 return shared.fail(epoch, &error);
             }
-            slots.extend(state.waiting.drain(..answers.len()).map(|command| command.slot));
+            slots.extend(state.waiting.drain(..answers.len()));
         }
         for (slot, answer) in slots.drain(..).zip(answers.drain(..)) {
             let _ = slot.send(Ok(answer));
@@ -695,13 +666,16 @@ mod tests {
         Connection::new(Arc::new(target))
     }
 
-    /// Reads from `peer` until `expected` has come, and checks that it is
-    /// what came.
+    /// Reads from `peer` until `expected` has come (each piece within 5 s),
+    /// and checks that it is what came.
     async fn receive(peer: &mut tokio::net::TcpStream, expected: &[u8]) {
         let mut got = Vec::new();
         while got.len() < expected.len() {
             let mut buf = vec![0u8; 1 << 16];
-            let n = peer.read(&mut buf).await.unwrap();
+            let n = tokio::time::timeout(Duration::from_secs(5), peer.read(&mut buf))
+                .await
+                .unwrap_or_else(|_| panic!("{:?} and no more", String::from_utf8_lossy(&got)))
+                .unwrap();
             assert!(n > 0, "closed after {} bytes", got.len());
             got.extend_from_slice(&buf[..n]);
         }
@@ -735,28 +709,24 @@ mod tests {
         }
     }
 
-    /// Commands wait while the connection is set up; those whose callers
-    /// give up meanwhile are never written, the others are, in order.
+    /// Commands wait while the connection is set up, and are written in
+    /// order once it is, those whose callers stopped waiting too: a release
+    /// that timed out still frees its key when it lands.
     #[tokio::test]
-    async fn commands_given_up_before_they_are_written_are_never_sent() {
+    async fn commands_given_up_before_they_are_written_are_still_sent() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let connection = connection_to(listener.local_addr().unwrap());
         let first = connection.send(&echo("first")).unwrap();
         let kept = connection.send(&echo("kept")).unwrap();
-        let last = connection.send(&echo("last")).unwrap();
 
         let (mut peer, _) = listener.accept().await.unwrap();
         receive(&mut peer, &redis::cmd("PING").get_packed_command()).await;
-        drop((first, last));
+        drop(first);
         peer.write_all(b"+PONG\r\n").await.unwrap();
-        receive(&mut peer, &echo("kept").get_packed_command()).await;
-        peer.write_all(b"$4\r\nkept\r\n").await.unwrap();
+        let both = [echo("first").get_packed_command(), echo("kept").get_packed_command()].concat();
+        receive(&mut peer, &both).await;
+        peer.write_all(b"$5\r\nfirst\r\n$4\r\nkept\r\n").await.unwrap();
         assert_eq!(kept.await.unwrap().unwrap(), Value::BulkString(b"kept".to_vec()));
-
-        let after = connection.send(&echo("after")).unwrap();
-        receive(&mut peer, &echo("after").get_packed_command()).await;
-        peer.write_all(b"$5\r\nafter\r\n").await.unwrap();
-        assert_eq!(after.await.unwrap().unwrap(), Value::BulkString(b"after".to_vec()));
     }
 
     /// A peer that answers every `PING` it reads, on each connection.
