@@ -487,6 +487,53 @@ async fn a_redis_that_may_evict_keys_is_warned_about() {
     assert!(!warned(safe.port), "{text}");
 }
 
+/// A store that is down fails every request: the log gets one line a second
+/// about it, naming the cause and how many more it held back, and none
+/// about releasing claims the store never received.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_logs_a_line_a_second_not_one_a_request() {
+    let logs = captured();
+    let upstream = Upstream::created().await;
+    // Nothing listens there: every connection is refused.
+    let down = support::unreachable_url().replace("http://", "redis://");
+    let store = idemgate::store::StoreHandle::new(
+        Arc::new(idemgate::store::RedisStore::single(&down, Duration::from_secs(1)).unwrap()),
+        Duration::from_secs(1),
+    );
+    let route = "[[route]]\nname = \"outage\"\npath = \"/v1/outage\"\n";
+    let proxy = support::Proxy::start_with_store(&upstream.url(), route, store).await;
+    let client = TestClient::default();
+    let lines = |what: &str| {
+        let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+        text.lines()
+            .filter(|line| line.contains(what) && line.contains("outage"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let started = tokio::time::Instant::now();
+    for n in 0..20 {
+        let refused = client.post(&proxy.url("/v1/outage"), &format!("k{n}"), "{}").await;
+        assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE, "{}", refused.text());
+    }
+    assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+    let first = lines("store claim failed");
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert!(
+        first[0].contains("Connection refused") && first[0].contains("suppressed=0"),
+        "{first:?}"
+    );
+
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let refused = client.post(&proxy.url("/v1/outage"), "later", "{}").await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    let both = lines("store claim failed");
+    assert_eq!(both.len(), 2, "{both:?}");
+    assert!(both[1].contains("suppressed=19"), "{both:?}");
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    assert!(!text.contains("releasing an abandoned claim failed"), "{text}");
+    assert_eq!(upstream.hits(), 0);
+}
+
 /// A second SIGTERM during the drain ends the process at once, instead of
 /// leaving the operator to wait out `shutdown_grace` or reach for SIGKILL.
 #[tokio::test]

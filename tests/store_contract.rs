@@ -798,7 +798,7 @@ async fn redis_connections_log_in_and_select_the_urls_database() {
     let store = RedisStore::single(&wrong, Duration::from_secs(2)).unwrap();
     let started = Instant::now();
     let refused = store.claim(&key(), &A, Owner::new(), LONG, None).await;
-    assert!(matches!(refused, Err(StoreError::Unavailable(_))), "{refused:?}");
+    assert!(matches!(refused, Err(StoreError::NotSent(_))), "{refused:?}");
     assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
 }
 
@@ -820,7 +820,7 @@ async fn redis_turning_a_connection_away_leaves_the_native_claim_in_use() {
 
     let store = RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap();
     let refused = store.claim(&key(), &A, Owner::new(), LONG, None).await;
-    assert!(matches!(refused, Err(StoreError::Unavailable(_))), "{refused:?}");
+    assert!(matches!(refused, Err(StoreError::NotSent(_))), "{refused:?}");
     drop(only);
     let deadline = Instant::now() + Duration::from_secs(5);
     while server

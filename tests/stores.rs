@@ -317,6 +317,50 @@ async fn a_completion_the_store_did_not_take_is_retried_until_it_lands() {
     assert_eq!(upstream.hits(), 1);
 }
 
+/// A claim that never reached Redis (each connection turned away before a
+/// command was written) took nothing, so none is released: a store that is
+/// down meets one connection attempt per claim, not a second for a release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_never_reached_redis_is_not_released() {
+    use idemgate::store::{Fingerprint, Owner, RecordKey, StoreError};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // Takes each connection, reads its greeting and hangs up unanswered.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counted = accepted.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            use std::io::Read;
+            let mut stream = stream.unwrap();
+            let mut first = [0u8; 64];
+            let n = stream.read(&mut first).unwrap_or(0);
+            // The store's own connections greet so; the redis crate's (for
+            // the completion subscription) start otherwise.
+            if first[..n] == *b"*1\r\n$4\r\nPING\r\n" {
+                counted.fetch_add(1, Ordering::SeqCst);
+            }
+            drop(stream);
+        }
+    });
+    let store = redis_store(&format!("redis://127.0.0.1:{port}"));
+    for n in 0..5u8 {
+        let claim = store
+            .claim(
+                &RecordKey([n; 32]),
+                &Fingerprint([1; 32]),
+                Owner::new(),
+                Duration::from_secs(30),
+                None,
+            )
+            .await;
+        assert!(matches!(claim, Err(StoreError::NotSent(_))), "{claim:?}");
+    }
+    // Time for releases, had any been sent, to connect.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(accepted.load(Ordering::SeqCst), 5);
+}
+
 /// A claim the store took only after the proxy stopped waiting for it is
 /// released all the same: its retry runs, and does not meet a 409 until the
 /// lease (30 s) runs out.

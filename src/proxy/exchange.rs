@@ -127,7 +127,9 @@ impl ClaimGuard {
                         tracing::warn!(key = %key.tag(), "lease lost before the exchange finished");
                         return;
                     }
-                    Err(error) => tracing::warn!(key = %key.tag(), %error, "lease renewal failed"),
+                    Err(error) => {
+                        tracing::warn!(key = %key.tag(), error = %error_chain(&error), "lease renewal failed")
+                    }
                 }
             }
         }));
@@ -186,7 +188,7 @@ impl ClaimGuard {
             // Releasing could let a retry run the request twice, and so could
             // letting the lease run out: keep the claim and keep trying.
             Err(error) => {
-                tracing::error!(key = %self.key.tag(), %error, "completing the record failed; retrying");
+                tracing::error!(key = %self.key.tag(), error = %error_chain(&error), "completing the record failed; retrying");
                 // Tracked, so a shutdown gives it `shutdown_grace` to land.
                 self.context.exchanges.spawn(retry_completion(
                     self.context.store.clone(),
@@ -204,7 +206,7 @@ impl ClaimGuard {
     async fn release(mut self) {
         self.settle();
         if let Err(error) = self.context.store.release(&self.key, self.owner).await {
-            tracing::warn!(key = %self.key.tag(), %error, "releasing the claim failed; its lease will run out");
+            tracing::warn!(key = %self.key.tag(), error = %error_chain(&error), "releasing the claim failed; its lease will run out");
         }
     }
 }
@@ -251,7 +253,7 @@ async fn retry_completion(
                 return;
             }
             Err(error) if Instant::now() >= give_up => {
-                return tracing::error!(key = %key.tag(), %error, "gave up completing the record");
+                return tracing::error!(key = %key.tag(), error = %error_chain(&error), "gave up completing the record");
             }
             Err(_) => {}
         }

@@ -41,7 +41,7 @@ pub(crate) use upstream::sweep_idle_connections;
 
 use crate::config::{Config, DeriveField, Mode, OnInFlight, OnStoreError, Policy, Route, RouteMatch};
 use crate::store::{Claim, Outcome as Stored, Owner, StoreError, StoreHandle, StoredResponse};
-use crate::telemetry::{self, Metrics, Outcome, RouteCounters};
+use crate::telemetry::{self, Metrics, Outcome, RouteCounters, Throttle, error_chain};
 use exchange::Exchange;
 use upstream::UpstreamClient;
 
@@ -400,7 +400,11 @@ impl Gateway {
                             Err(error) => {
                                 // The store said another request holds the key:
                                 // even with on_error = "pass", do not forward.
-                                tracing::warn!(route = %live.route.name, %error, "waiting on the store failed");
+                                static THROTTLE: Throttle = Throttle::new();
+                                if let Some(suppressed) = THROTTLE.admit() {
+                                    let error = error_chain(&error);
+                                    tracing::warn!(route = %live.route.name, %error, suppressed, "waiting on the store failed");
+                                }
                                 Problem::RequestInFlight
                             }
                         }
@@ -417,7 +421,11 @@ impl Gateway {
                     return Problem::StoreUnavailable.response();
                 }
                 Err(error) => {
-                    tracing::warn!(route = %live.route.name, %error, "store claim failed");
+                    static THROTTLE: Throttle = Throttle::new();
+                    if let Some(suppressed) = THROTTLE.admit() {
+                        let error = error_chain(&error);
+                        tracing::warn!(route = %live.route.name, %error, suppressed, "store claim failed");
+                    }
                     Problem::StoreUnavailable
                 }
             };

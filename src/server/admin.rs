@@ -71,7 +71,10 @@ fn problem(status: StatusCode, slug: &str, detail: &str) -> Response<ResponseBod
 }
 
 fn store_unavailable(error: &crate::store::StoreError) -> Response<ResponseBody> {
-    let detail = format!("the idempotency store cannot be reached: {error}");
+    let detail = format!(
+        "the idempotency store cannot be reached: {}",
+        crate::telemetry::error_chain(error)
+    );
     problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", &detail)
 }
 

@@ -32,6 +32,7 @@ pub use memory::MemoryStore;
 pub use redis::RedisStore;
 
 use crate::config::{StoreBackend, StoreConfig};
+use crate::telemetry::{Throttle, error_chain};
 use crate::wire::names;
 
 /// Locks `mutex`, poisoned or not: a panic while holding one of the
@@ -394,6 +395,10 @@ pub enum StoreError {
     Timeout(Duration),
     #[error("store unavailable")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// Unavailable, and the call never reached the store (no connection,
+    /// or one that broke before the call was written): it changed nothing.
+    #[error("store unavailable, nothing sent")]
+    NotSent(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("store record is corrupt: {0}")]
     Corrupt(&'static str),
 }
@@ -553,10 +558,12 @@ impl StoreHandle {
         let result = self.deadline(claim.as_mut()).await;
         match result {
             Err(StoreError::Timeout(_)) => self.see_through(claim, key, owner, lease),
+            // Never sent, it took nothing: a release would only be one more
+            // call to a store that is down.
+            Err(StoreError::NotSent(_)) | Ok(_) => {}
             // The store may have taken the claim before the error (a
             // connection that dropped with the answer on its way).
             Err(_) => self.release_in_background(key, owner),
-            Ok(_) => {}
         }
         result
     }
@@ -592,7 +599,9 @@ impl StoreHandle {
             let answer = tokio::time::timeout(lease, claim).await;
             SEEN_THROUGH.fetch_sub(1, Ordering::Relaxed);
             // Not taken, or its lease is over: nothing to release.
-            if let Ok(Ok(Claim::InFlight { .. } | Claim::Completed { .. })) | Err(_) = answer {
+            if let Ok(Ok(Claim::InFlight { .. } | Claim::Completed { .. }) | Err(StoreError::NotSent(_))) | Err(_) =
+                answer
+            {
                 return;
             }
             tracing::debug!(key = %key.tag(), "a claim answered after its timeout is released");
@@ -634,7 +643,11 @@ impl StoreHandle {
     /// the store fails to: its lease then ends it.
     async fn release_abandoned(&self, key: RecordKey, owner: Owner) {
         if let Err(error) = self.release(&key, owner).await {
-            tracing::warn!(key = %key.tag(), %error, "releasing an abandoned claim failed");
+            static THROTTLE: Throttle = Throttle::new();
+            if let Some(suppressed) = THROTTLE.admit() {
+                let error = error_chain(&error);
+                tracing::warn!(key = %key.tag(), %error, suppressed, "releasing an abandoned claim failed");
+            }
         }
     }
 

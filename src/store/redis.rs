@@ -364,8 +364,15 @@ fn refuses_nx_get(error: &RedisError) -> bool {
         && error.detail().is_some_and(|detail| detail.starts_with("syntax error"))
 }
 
+/// A Redis error as the store's: one the redis crate raised before the
+/// command was sent (our own connection's [`resp`] marks those it never
+/// wrote so) is `NotSent`.
 fn unavailable(e: RedisError) -> StoreError {
-    StoreError::Unavailable(Box::new(e))
+    if e.kind() == redis::ErrorKind::Client {
+        StoreError::NotSent(Box::new(e))
+    } else {
+        StoreError::Unavailable(Box::new(e))
+    }
 }
 
 fn ms(d: Duration) -> u64 {

@@ -13,7 +13,9 @@
 //!
 //! The connection is made on first use and again after it breaks. A broken
 //! one fails every command sent on it and not yet answered (each may or
-//! may not have run, as with any connection that drops), and the next
+//! may not have run, as with any connection that drops; those it never
+//! wrote fail as not sent, so a claim among them is known to have taken
+//! nothing and needs no release), and the next
 //! command connects anew; at most one connect is in flight, and commands
 //! sent meanwhile wait for it in the buffer. A command is written even
 //! when its caller has stopped waiting for it: a release or completion
@@ -199,12 +201,12 @@ impl Connection {
         let (slot, answer) = oneshot::channel();
         let mut state = lock(&self.shared.state);
         if state.waiting.len() >= MAX_WAITING {
-            return Err(broken(format!(
+            return Err(not_sent(format!(
                 "Redis has not answered the {MAX_WAITING} commands before this one"
             )));
         }
         if state.out.len() >= MAX_UNSENT {
-            return Err(broken(format!(
+            return Err(not_sent(format!(
                 "Redis has not taken the {} bytes of commands before this one",
                 state.out.len()
             )));
@@ -215,7 +217,7 @@ impl Connection {
             Link::Connecting => false,
             Link::Down => {
                 let runtime = tokio::runtime::Handle::try_current()
-                    .map_err(|_| broken("a Redis connection is made on a Tokio runtime".to_owned()))?;
+                    .map_err(|_| not_sent("a Redis connection is made on a Tokio runtime".to_owned()))?;
                 state.link = Link::Connecting;
                 connect_on = Some((runtime, state.epoch));
                 false
@@ -251,9 +253,11 @@ fn empty(buffer: &mut Vec<u8>) {
 
 impl Shared {
     /// Ends the connection of `epoch`, if it is still the live one: every
-    /// command on it not yet answered gets `error`.
+    /// command on it not yet answered gets `error`, but those never written
+    /// get it as [`not_sent`], so that their callers know Redis never saw
+    /// them (a claim that failed so has nothing to release).
     fn fail(&self, epoch: u64, error: &RedisError) {
-        let (waiting, tasks) = {
+        let (waiting, unsent, tasks) = {
             let mut state = lock(&self.state);
             if state.epoch != epoch {
                 return;
@@ -261,13 +265,23 @@ impl Shared {
             state.epoch += 1;
             state.link = Link::Down;
             empty(&mut state.out);
-            state.unsent = 0;
-            (std::mem::take(&mut state.waiting), std::mem::take(&mut state.tasks))
+            let unsent = std::mem::take(&mut state.unsent);
+            (
+                std::mem::take(&mut state.waiting),
+                unsent,
+                std::mem::take(&mut state.tasks),
+            )
         };
         for task in tasks {
             task.abort();
         }
-        for slot in waiting {
+        let written = waiting.len() - unsent;
+        let never_written = (unsent > 0).then(|| not_sent(error.to_string()));
+        for (at, slot) in waiting.into_iter().enumerate() {
+            let error = match &never_written {
+                Some(never_written) if at >= written => never_written,
+                _ => error,
+            };
             let _ = slot.send(Err(error.clone()));
         }
     }
@@ -336,6 +350,13 @@ impl Drop for EndsWith {
 
 fn broken(detail: String) -> RedisError {
     RedisError::from(io::Error::new(io::ErrorKind::ConnectionAborted, detail))
+}
+
+/// The error of a command that was never written to Redis, so never run:
+/// the redis crate's kind for errors "identified on the client before
+/// execution".
+fn not_sent(detail: String) -> RedisError {
+    RedisError::from((ErrorKind::Client, "not sent to Redis", detail))
 }
 
 fn protocol(detail: String) -> RedisError {

@@ -4,6 +4,9 @@ pub mod metrics;
 
 pub use metrics::{Metrics, Outcome, RouteCounters};
 
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 /// The current request's span (see `Gateway::handle`), when there is one
 /// to record on. It is at DEBUG: above that, one load of the level filter
 /// settles it, where looking up the current span would cost more than the
@@ -28,6 +31,59 @@ pub fn error_chain(error: &dyn std::error::Error) -> String {
     text
 }
 
+/// At most one line a second for a warning that may come with every
+/// request, such as a store that is down: the first goes out at once, the
+/// others of that second are counted, and the next line that goes out
+/// says how many (`suppressed`). The metrics count every one.
+pub struct Throttle {
+    /// When the next line may go out, in milliseconds since [`Throttle::now`]'s origin.
+    next: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl Throttle {
+    pub const fn new() -> Throttle {
+        Throttle {
+            next: AtomicU64::new(0),
+            suppressed: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether this line may go out now; if so, how many were held back
+    /// since the last one that did.
+    pub fn admit(&self) -> Option<u64> {
+        self.admit_at(Throttle::now())
+    }
+
+    fn admit_at(&self, now: u64) -> Option<u64> {
+        let next = self.next.load(Ordering::Relaxed);
+        if now < next
+            || self
+                .next
+                .compare_exchange(next, now + 1000, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(self.suppressed.swap(0, Ordering::Relaxed))
+    }
+
+    /// Milliseconds since the first call, on the coarse clock.
+    fn now() -> u64 {
+        static ORIGIN: OnceLock<tokio::time::Instant> = OnceLock::new();
+        let now = crate::clock::coarse_now();
+        let origin = *ORIGIN.get_or_init(|| now);
+        u64::try_from(now.saturating_duration_since(origin).as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+impl Default for Throttle {
+    fn default() -> Throttle {
+        Throttle::new()
+    }
+}
+
 /// Installs the global subscriber: `RUST_LOG` filters (default `info`),
 /// `IDEMGATE_LOG_FORMAT=json` selects JSON lines instead of text.
 pub fn init() {
@@ -42,4 +98,22 @@ pub fn init() {
     } else {
         builder.try_init()
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_throttle_lets_one_line_a_second_through_and_counts_the_rest() {
+        let throttle = Throttle::new();
+        assert_eq!(throttle.admit_at(5), Some(0));
+        for at in [5, 6, 500, 1004] {
+            assert_eq!(throttle.admit_at(at), None, "at {at} ms");
+        }
+        assert_eq!(throttle.admit_at(1005), Some(4));
+        assert_eq!(throttle.admit_at(1006), None);
+        assert_eq!(throttle.admit_at(9000), Some(1));
+        assert_eq!(throttle.admit_at(9001), None);
+    }
 }
