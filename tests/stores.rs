@@ -317,14 +317,13 @@ async fn a_completion_the_store_did_not_take_is_retried_until_it_lands() {
     assert_eq!(upstream.hits(), 1);
 }
 
-/// A claim that never reached Redis (each connection turned away before a
-/// command was written) took nothing, so none is released: a store that is
-/// down meets one connection attempt per claim, not a second for a release.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_that_never_reached_redis_is_not_released() {
+/// A Redis that cannot be reached (each connection taken, its greeting read,
+/// and hung up unanswered) meets a connect a few times a second, backing
+/// off, however many claims come; each claim fails at once as not sent.
+#[tokio::test]
+async fn an_unreachable_redis_is_tried_a_few_times_a_second_not_once_a_claim() {
     use idemgate::store::{Fingerprint, Owner, RecordKey, StoreError};
     use std::sync::atomic::{AtomicUsize, Ordering};
-    // Takes each connection, reads its greeting and hangs up unanswered.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let accepted = Arc::new(AtomicUsize::new(0));
@@ -344,21 +343,22 @@ async fn a_claim_that_never_reached_redis_is_not_released() {
         }
     });
     let store = redis_store(&format!("redis://127.0.0.1:{port}"));
-    for n in 0..5u8 {
+    let started = Instant::now();
+    let mut claims = 0u32;
+    while started.elapsed() < Duration::from_millis(400) {
+        let key = RecordKey([(claims % 251) as u8; 32]);
         let claim = store
-            .claim(
-                &RecordKey([n; 32]),
-                &Fingerprint([1; 32]),
-                Owner::new(),
-                Duration::from_secs(30),
-                None,
-            )
+            .claim(&key, &Fingerprint([1; 32]), Owner::new(), Duration::from_secs(30), None)
             .await;
         assert!(matches!(claim, Err(StoreError::NotSent(_))), "{claim:?}");
+        claims += 1;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    // Time for releases, had any been sent, to connect.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(accepted.load(Ordering::SeqCst), 5);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Attempts at 0, 25, 75, 175 and 375 ms (each failure doubles the wait).
+    let connects = accepted.load(Ordering::SeqCst);
+    assert!((2..=6).contains(&connects), "{connects} connects for {claims} claims");
+    assert!(claims >= 50, "{claims}");
 }
 
 /// A claim the store took only after the proxy stopped waiting for it is

@@ -17,7 +17,10 @@
 //! wrote fail as not sent, so a claim among them is known to have taken
 //! nothing and needs no release), and the next
 //! command connects anew; at most one connect is in flight, and commands
-//! sent meanwhile wait for it in the buffer. A command is written even
+//! sent meanwhile wait for it in the buffer. A connect that fails (refused,
+//! timed out, its greeting turned down) is not tried again for a while
+//! ([`backoff`]: 25 ms, doubling to 1 s); commands meanwhile fail at once,
+//! as not sent. A command is written even
 //! when its caller has stopped waiting for it: a release or completion
 //! that lands late still does its work (each checks its owner), and a
 //! claim answered late is released by [`StoreHandle`](super::StoreHandle),
@@ -150,6 +153,10 @@ struct State {
     unsent: usize,
     /// The reader and writer of the live connection.
     tasks: Vec<AbortHandle>,
+    /// Connects that failed in a row, and when the next may start: see
+    /// [`backoff`].
+    failed_connects: u32,
+    retry_at: Option<std::time::Instant>,
 }
 
 enum Link {
@@ -180,6 +187,8 @@ impl Connection {
                     waiting: VecDeque::new(),
                     unsent: 0,
                     tasks: Vec::new(),
+                    failed_connects: 0,
+                    retry_at: None,
                 }),
             }),
             written: Arc::new(Notify::new()),
@@ -216,6 +225,15 @@ impl Connection {
             Link::Up => state.out.is_empty(),
             Link::Connecting => false,
             Link::Down => {
+                if let Some(at) = state.retry_at {
+                    let now = std::time::Instant::now();
+                    if now < at {
+                        return Err(not_sent(format!(
+                            "Redis could not be reached; the next attempt is in {} ms",
+                            (at - now).as_millis() + 1
+                        )));
+                    }
+                }
                 let runtime = tokio::runtime::Handle::try_current()
                     .map_err(|_| not_sent("a Redis connection is made on a Tokio runtime".to_owned()))?;
                 state.link = Link::Connecting;
@@ -241,6 +259,16 @@ impl Connection {
         }
         Ok(answer)
     }
+}
+
+/// How long after `failed` connects in a row the next may start: 25 ms,
+/// doubling to at most 1 s. Commands sent meanwhile fail at once, as not
+/// sent, so a Redis that is down (or a host that refuses it) meets a
+/// connect from each thread a few times a second at most rather than one
+/// per request, and a Redis back again is used within a second.
+fn backoff(failed: u32) -> Duration {
+    let doublings = failed.clamp(1, 7) - 1;
+    Duration::from_millis(25 << doublings).min(Duration::from_secs(1))
 }
 
 /// Empties `buffer`, letting go of what a burst of large records grew.
@@ -286,6 +314,22 @@ impl Shared {
         }
     }
 
+    /// Fails the connect of `epoch`, which Redis refused or never
+    /// answered: the next waits out its [`backoff`]. (A connection that
+    /// broke once made, or a connect whose task was dropped, is made again
+    /// at once.)
+    fn connect_failed(&self, epoch: u64, error: &RedisError) {
+        {
+            let mut state = lock(&self.state);
+            if state.epoch != epoch {
+                return;
+            }
+            state.failed_connects = state.failed_connects.saturating_add(1);
+            state.retry_at = Some(std::time::Instant::now() + backoff(state.failed_connects));
+        }
+        self.fail(epoch, error);
+    }
+
     /// Starts the reader and writer of a new connection. They are spawned
     /// with the lock let go, as a task dropped at once (its runtime
     /// shutting down) fails the connection through its guard.
@@ -300,6 +344,8 @@ impl Shared {
                 return;
             }
             state.link = Link::Up;
+            state.failed_connects = 0;
+            state.retry_at = None;
         }
         let ends = || EndsWith {
             shared: Arc::downgrade(self),
@@ -390,7 +436,7 @@ async fn connect(mut ends: EndsWith, written: Arc<Notify>) {
             let (source, sink) = stream.into_split();
             shared.start(written, epoch, source, sink);
         }
-        Err(error) => shared.fail(epoch, &error),
+        Err(error) => shared.connect_failed(epoch, &error),
     }
 }
 
@@ -800,6 +846,12 @@ mod tests {
         for _ in 0..2 {
             assert_eq!(ping(&runtime(), &connection), "PONG");
         }
+    }
+
+    #[test]
+    fn connects_back_off_from_25_ms_to_a_second() {
+        let waits: Vec<u128> = [1, 2, 3, 6, 7, 8, u32::MAX].map(|n| backoff(n).as_millis()).into();
+        assert_eq!(waits, [25, 50, 100, 800, 1000, 1000, 1000]);
     }
 
     /// A connect spawned on a runtime that never ran it (shut down first)
