@@ -97,12 +97,13 @@ impl Target {
         })
     }
 
-    /// The `AUTH` and `SELECT` a new connection sends before anything else.
-    fn greeting(&self) -> Vec<Cmd> {
+    /// The `AUTH` and `SELECT` a new connection sends before anything else;
+    /// `AUTH` names the URL's user `with_user`.
+    fn greeting(&self, with_user: bool) -> Vec<Cmd> {
         let mut commands = Vec::new();
         if let Some(password) = &self.password {
             let mut auth = redis::cmd("AUTH");
-            if let Some(username) = &self.username {
+            if let Some(username) = self.username.as_ref().filter(|_| with_user) {
                 auth.arg(username);
             }
             commands.push(auth.arg(password).clone());
@@ -466,36 +467,61 @@ async fn open(target: &Target) -> RedisResult<Stream> {
 /// Sends `target`'s greeting and checks that each command was answered
 /// without an error; an error answer fails as a connection refused,
 /// whatever its kind, and never repeats the password (a server that knows
-/// no `AUTH` may quote its arguments).
+/// no `AUTH` may quote its arguments). A server before Redis 6 knows no
+/// user: one that finds `AUTH user password` one argument too many is
+/// greeted again with `AUTH password`, as the redis crate does.
 async fn greet<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, target: &Target) -> RedisResult<()> {
-    let commands = target.greeting();
+    let refusal = match say(stream, &target.greeting(true)).await? {
+        Some(refusal)
+            if target.username.is_some() && refusal.contains("wrong number of arguments for 'auth' command") =>
+        {
+            say(stream, &target.greeting(false)).await?
+        }
+        refusal => refusal,
+    };
+    let Some(refusal) = refusal else {
+        return Ok(());
+    };
+    let mut detail = format!("Redis refused to set up the connection: {refusal}");
+    if let Some(password) = target.password.as_deref().filter(|p| !p.is_empty()) {
+        detail = detail.replace(password, "<password>");
+    }
+    Err(RedisError::from(io::Error::new(
+        io::ErrorKind::ConnectionRefused,
+        detail,
+    )))
+}
+
+/// Sends `commands` and reads their answers; returns the first error
+/// answer's text, if any.
+async fn say<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, commands: &[Cmd]) -> RedisResult<Option<String>> {
     let mut out = Vec::new();
-    for command in &commands {
+    for command in commands {
         command.write_packed_command(&mut out);
     }
     stream.write_all(&out).await?;
     let mut buf = BytesMut::with_capacity(256);
-    let mut answered = 0;
+    let (mut answered, mut refusal) = (0, None);
     while answered < commands.len() {
         if stream.read_buf(&mut buf).await? == 0 {
-            return Err(broken("Redis closed the connection while it was set up".to_owned()));
+            // A server turning the connection away (its client limit
+            // reached) answers once and closes it.
+            return match refusal {
+                Some(refusal) => Ok(Some(refusal)),
+                None => Err(broken("Redis closed the connection while it was set up".to_owned())),
+            };
         }
-        while let Some((value, used)) = parse(&buf)? {
+        while answered < commands.len()
+            && let Some((value, used)) = parse(&buf)?
+        {
             buf.advance(used);
-            if let Err(error) = value.extract_error() {
-                let mut detail = format!("Redis refused to set up the connection: {error}");
-                if let Some(password) = target.password.as_deref().filter(|p| !p.is_empty()) {
-                    detail = detail.replace(password, "<password>");
-                }
-                return Err(RedisError::from(io::Error::new(
-                    io::ErrorKind::ConnectionRefused,
-                    detail,
-                )));
-            }
             answered += 1;
+            if let Err(error) = value.extract_error() {
+                refusal.get_or_insert_with(|| error.to_string());
+            }
         }
     }
-    Ok(())
+    Ok(refusal)
 }
 
 /// Writes whatever commands have gathered, in one write, until the
@@ -721,10 +747,13 @@ mod tests {
 
     /// A connection to whatever listens at `address`.
     fn connection_to(address: std::net::SocketAddr) -> Connection {
+        connection_at(&format!("redis://{address}/0"))
+    }
+
+    fn connection_at(url: &str) -> Connection {
         use redis::IntoConnectionInfo;
-        let info = format!("redis://{address}/0").into_connection_info().unwrap();
         let target = Target::new(
-            &info,
+            &url.into_connection_info().unwrap(),
             Duration::from_secs(2),
             Duration::from_secs(5),
             TcpKeepalive::new(),
@@ -884,17 +913,9 @@ mod tests {
     /// names the refusal and never the password.
     #[tokio::test]
     async fn a_refused_greeting_never_repeats_the_password() {
-        use redis::IntoConnectionInfo;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("redis://:hunter2@{}/0", listener.local_addr().unwrap());
-        let target = Target::new(
-            &url.into_connection_info().unwrap(),
-            Duration::from_secs(2),
-            Duration::from_secs(5),
-            TcpKeepalive::new(),
-        )
-        .unwrap();
-        let connection = Connection::new(Arc::new(target));
+        let connection = connection_at(&url);
         let answer = connection.send(&redis::cmd("PING")).unwrap();
         let (mut peer, _) = listener.accept().await.unwrap();
         receive(&mut peer, &redis::cmd("AUTH").arg("hunter2").get_packed_command()).await;
@@ -904,6 +925,30 @@ mod tests {
         let error = answer.await.unwrap().unwrap_err().to_string();
         assert!(error.contains("unknown command 'AUTH'"), "{error}");
         assert!(!error.contains("hunter2"), "{error}");
+    }
+
+    /// A server before Redis 6 knows `AUTH password` only: a URL naming a
+    /// user is greeted again without it, and its database still selected.
+    #[tokio::test]
+    async fn a_server_before_redis_6_is_greeted_again_without_the_user() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("redis://gate:s3cret@{}/3", listener.local_addr().unwrap());
+        let connection = connection_at(&url);
+        let answer = connection.send(&redis::cmd("PING")).unwrap();
+        let (mut peer, _) = listener.accept().await.unwrap();
+        let select = redis::cmd("SELECT").arg(3).get_packed_command();
+        let with_user = redis::cmd("AUTH").arg("gate").arg("s3cret").get_packed_command();
+        receive(&mut peer, &[with_user, select.clone()].concat()).await;
+        peer.write_all(b"-ERR wrong number of arguments for 'auth' command\r\n-NOAUTH Authentication required.\r\n")
+            .await
+            .unwrap();
+        let without = redis::cmd("AUTH").arg("s3cret").get_packed_command();
+        receive(&mut peer, &[without, select].concat()).await;
+        peer.write_all(b"+OK\r\n+OK\r\n").await.unwrap();
+        receive(&mut peer, &redis::cmd("PING").get_packed_command()).await;
+        peer.write_all(b"+PONG\r\n").await.unwrap();
+        let pong = answer.await.unwrap().unwrap();
+        assert_eq!(pong, Value::SimpleString("PONG".to_owned()));
     }
 
     #[test]
