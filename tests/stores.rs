@@ -319,7 +319,8 @@ async fn a_completion_the_store_did_not_take_is_retried_until_it_lands() {
 
 /// A Redis that cannot be reached (each connection taken, its greeting read,
 /// and hung up unanswered) meets a connect a few times a second, backing
-/// off, however many claims come; each claim fails at once as not sent.
+/// off, however many claims come; each claim fails at once as not sent,
+/// naming the cause.
 #[tokio::test]
 async fn an_unreachable_redis_is_tried_a_few_times_a_second_not_once_a_claim() {
     use idemgate::store::{Fingerprint, Owner, RecordKey, StoreError};
@@ -351,6 +352,9 @@ async fn an_unreachable_redis_is_tried_a_few_times_a_second_not_once_a_claim() {
             .claim(&key, &Fingerprint([1; 32]), Owner::new(), Duration::from_secs(30), None)
             .await;
         assert!(matches!(claim, Err(StoreError::NotSent(_))), "{claim:?}");
+        // Those the back-off turns away still say why the last connect failed.
+        let why = format!("{claim:?}");
+        assert!(why.contains("closed the connection while it was set up"), "{why}");
         claims += 1;
         tokio::time::sleep(Duration::from_millis(1)).await;
     }

@@ -366,12 +366,22 @@ fn refuses_nx_get(error: &RedisError) -> bool {
 
 /// A Redis error as the store's: one the redis crate raised before the
 /// command was sent (our own connection's [`resp`] marks those it never
-/// wrote so) is `NotSent`.
+/// wrote so) is `NotSent`. A server that does not know a command quotes
+/// its first arguments back (`..., with args beginning with: 'key' ...`):
+/// record keys, owner tokens, records; they are left out, as the error
+/// goes to the logs.
 fn unavailable(e: RedisError) -> StoreError {
-    if e.kind() == redis::ErrorKind::Client {
-        StoreError::NotSent(Box::new(e))
+    const QUOTED: &str = ", with args beginning with:";
+    let not_sent = e.kind() == redis::ErrorKind::Client;
+    let text = e.to_string();
+    let error: Box<dyn std::error::Error + Send + Sync> = match text.find(QUOTED) {
+        Some(at) => format!("{}{QUOTED} (left out)", &text[..at]).into(),
+        None => Box::new(e),
+    };
+    if not_sent {
+        StoreError::NotSent(error)
     } else {
-        StoreError::Unavailable(Box::new(e))
+        StoreError::Unavailable(error)
     }
 }
 
@@ -885,6 +895,21 @@ mod tests {
         ] {
             assert!(!refuses_nx_get(&answer(other)), "{other:?}");
         }
+    }
+
+    #[test]
+    fn arguments_a_server_quotes_back_stay_out_of_the_error() {
+        let answer = redis::parse_redis_value(
+            b"-ERR unknown command 'EVALSHA', with args beginning with: '3f1c' '1' 'idem:9a7b' 'tok-SECRET' \r\n",
+        )
+        .unwrap()
+        .extract_error()
+        .unwrap_err();
+        let error = unavailable(answer);
+        let text = crate::telemetry::error_chain(&error);
+        assert!(text.contains("unknown command 'EVALSHA'"), "{text}");
+        assert!(!text.contains("SECRET") && !text.contains("9a7b"), "{text}");
+        assert!(matches!(error, StoreError::Unavailable(_)));
     }
 
     #[test]

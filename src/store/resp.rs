@@ -154,10 +154,11 @@ struct State {
     unsent: usize,
     /// The reader and writer of the live connection.
     tasks: Vec<AbortHandle>,
-    /// Connects that failed in a row, and when the next may start: see
-    /// [`backoff`].
+    /// Connects that failed in a row, when the next may start (see
+    /// [`backoff`]), and why the last one failed.
     failed_connects: u32,
     retry_at: Option<std::time::Instant>,
+    last_failure: String,
 }
 
 enum Link {
@@ -190,6 +191,7 @@ impl Connection {
                     tasks: Vec::new(),
                     failed_connects: 0,
                     retry_at: None,
+                    last_failure: String::new(),
                 }),
             }),
             written: Arc::new(Notify::new()),
@@ -230,7 +232,8 @@ impl Connection {
                     let now = std::time::Instant::now();
                     if now < at {
                         return Err(not_sent(format!(
-                            "Redis could not be reached; the next attempt is in {} ms",
+                            "{}; the next attempt is in {} ms",
+                            state.last_failure,
                             (at - now).as_millis() + 1
                         )));
                     }
@@ -327,6 +330,7 @@ impl Shared {
             }
             state.failed_connects = state.failed_connects.saturating_add(1);
             state.retry_at = Some(std::time::Instant::now() + backoff(state.failed_connects));
+            state.last_failure = format!("Redis could not be reached: {error}");
         }
         self.fail(epoch, error);
     }
@@ -347,6 +351,7 @@ impl Shared {
             state.link = Link::Up;
             state.failed_connects = 0;
             state.retry_at = None;
+            state.last_failure = String::new();
         }
         let ends = || EndsWith {
             shared: Arc::downgrade(self),
