@@ -365,6 +365,46 @@ async fn an_unreachable_redis_is_tried_a_few_times_a_second_not_once_a_claim() {
     assert!(claims >= 50, "{claims}");
 }
 
+/// A Redis Cluster none of whose nodes can be reached backs off the same
+/// way: the first claim fails as not sent, naming the cause; the next, at
+/// once, by the back-off, without trying the nodes; one after the back-off
+/// tries them again.
+#[tokio::test]
+async fn an_unreachable_cluster_is_not_tried_again_at_once() {
+    use idemgate::store::{Fingerprint, Owner, RecordKey, StoreError};
+    let down = support::unreachable_url().replace("http://", "redis://");
+    let store = StoreHandle::new(
+        Arc::new(RedisStore::cluster(&[down], Duration::from_secs(1)).unwrap()),
+        Duration::from_secs(1),
+    );
+    let claim = || async {
+        let claim = store
+            .claim(
+                &RecordKey([1; 32]),
+                &Fingerprint([1; 32]),
+                Owner::new(),
+                Duration::from_secs(30),
+                None,
+            )
+            .await;
+        assert!(matches!(claim, Err(StoreError::NotSent(_))), "{claim:?}");
+        format!("{claim:?}")
+    };
+    let first = claim().await;
+    assert!(
+        first.contains("could not be reached") && !first.contains("next attempt"),
+        "{first}"
+    );
+    let second = claim().await;
+    assert!(
+        second.contains("could not be reached") && second.contains("next attempt"),
+        "{second}"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let third = claim().await;
+    assert!(!third.contains("next attempt"), "{third}");
+}
+
 /// A claim the store took only after the proxy stopped waiting for it is
 /// released all the same: its retry runs, and does not meet a 409 until the
 /// lease (30 s) runs out.

@@ -243,8 +243,54 @@ enum Connection {
     },
     Cluster {
         client: Box<redis::cluster::ClusterClient>,
-        connections: PerThread<Arc<OnceCell<ClusterConnection>>>,
+        connections: PerThread<Arc<ClusterSlot>>,
     },
+}
+
+/// A thread's cluster connection, made on first use. A connect that fails
+/// backs off as a single server's does ([`resp::backoff`]): calls meanwhile
+/// fail at once, as not sent, instead of each trying the nodes again.
+#[derive(Default)]
+struct ClusterSlot {
+    connection: OnceCell<ClusterConnection>,
+    failed: Mutex<FailedConnects>,
+}
+
+#[derive(Default)]
+struct FailedConnects {
+    count: u32,
+    retry_at: Option<std::time::Instant>,
+    why: String,
+}
+
+impl ClusterSlot {
+    async fn connect(&self, client: &redis::cluster::ClusterClient) -> Result<ClusterConnection, StoreError> {
+        {
+            let failed = lock(&self.failed);
+            let now = std::time::Instant::now();
+            if let Some(at) = failed.retry_at.filter(|at| now < *at) {
+                let why = format!(
+                    "{}; the next attempt is in {} ms",
+                    failed.why,
+                    (at - now).as_millis() + 1
+                );
+                return Err(StoreError::NotSent(why.into()));
+            }
+        }
+        match client.get_async_connection().await {
+            Ok(connection) => {
+                *lock(&self.failed) = FailedConnects::default();
+                Ok(connection)
+            }
+            Err(error) => {
+                let mut failed = lock(&self.failed);
+                failed.count = failed.count.saturating_add(1);
+                failed.retry_at = Some(std::time::Instant::now() + resp::backoff(failed.count));
+                failed.why = format!("the Redis Cluster could not be reached: {error}");
+                Err(StoreError::NotSent(failed.why.clone().into()))
+            }
+        }
+    }
 }
 
 /// A connection of either kind.
@@ -495,13 +541,10 @@ impl RedisStore {
                 .map(Conn::Single)
                 .map_err(unavailable),
             Connection::Cluster { client, connections } => {
-                let cell = connections
-                    .get_or(|| Ok(Arc::new(OnceCell::new())))
+                let slot = connections
+                    .get_or(|| Ok(Arc::new(ClusterSlot::default())))
                     .map_err(unavailable)?;
-                let connection = cell
-                    .get_or_try_init(|| client.get_async_connection())
-                    .await
-                    .map_err(unavailable)?;
+                let connection = slot.connection.get_or_try_init(|| slot.connect(client)).await?;
                 Ok(Conn::Cluster(connection.clone()))
             }
         }

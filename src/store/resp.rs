@@ -270,7 +270,7 @@ impl Connection {
 /// sent, so a Redis that is down (or a host that refuses it) meets a
 /// connect from each thread a few times a second at most rather than one
 /// per request, and a Redis back again is used within a second.
-fn backoff(failed: u32) -> Duration {
+pub(super) fn backoff(failed: u32) -> Duration {
     let doublings = failed.clamp(1, 7) - 1;
     Duration::from_millis(25 << doublings).min(Duration::from_secs(1))
 }
