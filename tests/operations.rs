@@ -534,6 +534,56 @@ async fn a_store_outage_logs_a_line_a_second_not_one_a_request() {
     assert_eq!(upstream.hits(), 0);
 }
 
+/// Redis going away under requests that last renews none of their leases:
+/// each would warn at every renewal (a third of `lock_timeout`); the log
+/// gets at most one such line a second, counting the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_lease_renewals_log_a_line_a_second() {
+    let logs = captured();
+    let mut redis = support::redis::RedisServer::start();
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(2500))).await;
+    let store = idemgate::store::StoreHandle::new(
+        Arc::new(idemgate::store::RedisStore::single(&redis.url(), Duration::from_secs(1)).unwrap()),
+        Duration::from_secs(1),
+    );
+    let route = "[[route]]\nname = \"renewals\"\npath = \"/v1/slow\"\nlock_timeout = \"1s\"\n";
+    let proxy = support::Proxy::start_with_store(&upstream.url(), route, store).await;
+    let url = proxy.url("/v1/slow");
+    let slow: Vec<_> = (0..5)
+        .map(|n| {
+            let url = url.clone();
+            tokio::spawn(async move { TestClient::default().post(&url, &format!("slow{n}"), "{}").await })
+        })
+        .collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    while upstream.hits() < 5 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of 5 forwarded",
+            upstream.hits()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    redis.kill();
+    for request in slow {
+        request.await.unwrap();
+    }
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|line| line.contains("lease renewal failed"))
+        .collect();
+    // Five requests renewing every 333 ms for about two seconds: some 30
+    // failures, at most three seconds' lines.
+    assert!((1..=3).contains(&lines.len()), "{lines:#?}");
+    let counted: u64 = lines
+        .iter()
+        .filter_map(|line| line.split("suppressed=").nth(1))
+        .filter_map(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    assert!(counted >= 5, "{lines:#?}");
+}
+
 /// A second SIGTERM during the drain ends the process at once, instead of
 /// leaving the operator to wait out `shutdown_grace` or reach for SIGKILL.
 #[tokio::test]
