@@ -83,7 +83,7 @@ def main():
 
         conf = os.path.join(tmp, "idemgate.toml")
         if args.store == "redis":
-            store_extra = f'url = "redis://127.0.0.1:{bench.redis_server(procs)}/0"'
+            store_extra = f'url = "redis://127.0.0.1:{bench.redis_server(procs)[0]}/0"'
         else:
             store_extra = 'max_memory = "64MiB"'
         with open(conf, "w") as f:

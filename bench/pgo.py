@@ -82,7 +82,7 @@ def train(binary, profiles, tmp):
         backend_port = bench.free_port()
         bench.nginx(procs, tmp, "backend", bench.BACKEND.format(port=backend_port), 1)
         bench.wait_port(backend_port)
-        redis_port = bench.redis_server(procs)
+        redis_port, _ = bench.redis_server(procs)
         scripts = bench.lua_scripts(tmp, (("new", bench.NEW_KEYS), ("replay", bench.REPLAYS), ("reused", REUSED)))
         stores = {
             "memory": 'max_memory = "16MiB"',
