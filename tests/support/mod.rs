@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod logs;
 pub mod redis;
 
 /// The route most tests use: POST and PATCH on /v1/orders, every default.

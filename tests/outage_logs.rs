@@ -1,0 +1,109 @@
+//! The log while a store is down: the warnings it would repeat for every
+//! request go out once a second. In a binary of its own, as the throttles
+//! and the captured log are the process's.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::StatusCode;
+use support::logs::captured;
+use support::{Reply, TestClient, Upstream};
+
+/// A store that is down fails every request: the log gets one line a second
+/// about it, naming the cause and how many more it held back, and none
+/// about releasing claims the store never received.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_logs_a_line_a_second_not_one_a_request() {
+    let logs = captured();
+    let upstream = Upstream::created().await;
+    // Nothing listens there: every connection is refused.
+    let down = support::unreachable_url().replace("http://", "redis://");
+    let store = idemgate::store::StoreHandle::new(
+        Arc::new(idemgate::store::RedisStore::single(&down, Duration::from_secs(1)).unwrap()),
+        Duration::from_secs(1),
+    );
+    let route = "[[route]]\nname = \"outage\"\npath = \"/v1/outage\"\n";
+    let proxy = support::Proxy::start_with_store(&upstream.url(), route, store).await;
+    let client = TestClient::default();
+    let lines = |what: &str| {
+        let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+        text.lines()
+            .filter(|line| line.contains(what) && line.contains("outage"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let started = tokio::time::Instant::now();
+    for n in 0..20 {
+        let refused = client.post(&proxy.url("/v1/outage"), &format!("k{n}"), "{}").await;
+        assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE, "{}", refused.text());
+    }
+    assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+    let first = lines("store claim failed");
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert!(
+        first[0].contains("Connection refused") && first[0].contains("suppressed=0"),
+        "{first:?}"
+    );
+
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let refused = client.post(&proxy.url("/v1/outage"), "later", "{}").await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    let both = lines("store claim failed");
+    assert_eq!(both.len(), 2, "{both:?}");
+    assert!(both[1].contains("suppressed=19"), "{both:?}");
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    assert!(!text.contains("releasing an abandoned claim failed"), "{text}");
+    assert_eq!(upstream.hits(), 0);
+}
+
+/// Redis going away under requests that last renews none of their leases:
+/// each would warn at every renewal (a third of `lock_timeout`); the log
+/// gets at most one such line a second, counting the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_lease_renewals_log_a_line_a_second() {
+    let logs = captured();
+    let mut redis = support::redis::RedisServer::start();
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(2500))).await;
+    let store = idemgate::store::StoreHandle::new(
+        Arc::new(idemgate::store::RedisStore::single(&redis.url(), Duration::from_secs(1)).unwrap()),
+        Duration::from_secs(1),
+    );
+    let route = "[[route]]\nname = \"renewals\"\npath = \"/v1/slow\"\nlock_timeout = \"1s\"\n";
+    let proxy = support::Proxy::start_with_store(&upstream.url(), route, store).await;
+    let url = proxy.url("/v1/slow");
+    let slow: Vec<_> = (0..5)
+        .map(|n| {
+            let url = url.clone();
+            tokio::spawn(async move { TestClient::default().post(&url, &format!("slow{n}"), "{}").await })
+        })
+        .collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    while upstream.hits() < 5 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of 5 forwarded",
+            upstream.hits()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    redis.kill();
+    for request in slow {
+        request.await.unwrap();
+    }
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|line| line.contains("lease renewal failed"))
+        .collect();
+    // Five requests renewing every 333 ms for about two seconds: some 30
+    // failures, at most three seconds' lines.
+    assert!((1..=3).contains(&lines.len()), "{lines:#?}");
+    let counted: u64 = lines
+        .iter()
+        .filter_map(|line| line.split("suppressed=").nth(1))
+        .filter_map(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    assert!(counted >= 5, "{lines:#?}");
+}
