@@ -4,11 +4,11 @@
 
 mod support;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use http::StatusCode;
 use support::logs::captured;
+use support::redis::redis_store;
 use support::{Reply, TestClient, Upstream};
 
 /// A store that is down fails every request: the log gets one line a second
@@ -20,10 +20,7 @@ async fn a_store_outage_logs_a_line_a_second_not_one_a_request() {
     let upstream = Upstream::created().await;
     // Nothing listens there: every connection is refused.
     let down = support::unreachable_url().replace("http://", "redis://");
-    let store = idemgate::store::StoreHandle::new(
-        Arc::new(idemgate::store::RedisStore::single(&down, Duration::from_secs(1)).unwrap()),
-        Duration::from_secs(1),
-    );
+    let store = redis_store(&down);
     let route = "[[route]]\nname = \"outage\"\npath = \"/v1/outage\"\n";
     let proxy = support::Proxy::start_with_store(&upstream.url(), route, store).await;
     let client = TestClient::default();
@@ -66,10 +63,7 @@ async fn failed_lease_renewals_log_a_line_a_second() {
     let logs = captured();
     let mut redis = support::redis::RedisServer::start();
     let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(2500))).await;
-    let store = idemgate::store::StoreHandle::new(
-        Arc::new(idemgate::store::RedisStore::single(&redis.url(), Duration::from_secs(1)).unwrap()),
-        Duration::from_secs(1),
-    );
+    let store = redis_store(&redis.url());
     let route = "[[route]]\nname = \"renewals\"\npath = \"/v1/slow\"\nlock_timeout = \"1s\"\n";
     let proxy = support::Proxy::start_with_store(&upstream.url(), route, store).await;
     let url = proxy.url("/v1/slow");

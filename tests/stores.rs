@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use idemgate::store::{RedisStore, StoreHandle};
-use support::redis::{RedisCluster, RedisServer};
+use support::redis::{RedisCluster, RedisServer, redis_store};
 use support::{Binary, Proxy, Reply, TestClient, Upstream};
 use tokio::time::Instant;
 
@@ -17,13 +17,6 @@ const ROUTE: &str = r#"
 name = "orders"
 path = "/v1/orders"
 "#;
-
-fn redis_store(url: &str) -> StoreHandle {
-    StoreHandle::new(
-        Arc::new(RedisStore::single(url, Duration::from_secs(1)).unwrap()),
-        Duration::from_secs(1),
-    )
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_embedded_store_survives_kill_9_with_every_answer_and_claim() {

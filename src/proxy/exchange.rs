@@ -31,7 +31,7 @@ use super::upstream::OnStale;
 use super::{Context, LiveRoute};
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
 use crate::store::{Fingerprint, Outcome, Owner, Record, RecordKey, StoreHandle, StoredResponse};
-use crate::telemetry::{self, Outcome as TelemetryOutcome, Throttle, error_chain};
+use crate::telemetry::{self, Outcome as TelemetryOutcome, error_chain};
 use tracing::Instrument;
 
 /// Frames buffered between the exchange task and the client connection.
@@ -127,13 +127,7 @@ impl ClaimGuard {
                         tracing::warn!(key = %key.tag(), "lease lost before the exchange finished");
                         return;
                     }
-                    Err(error) => {
-                        static THROTTLE: Throttle = Throttle::new();
-                        if let Some(suppressed) = THROTTLE.admit() {
-                            let error = error_chain(&error);
-                            tracing::warn!(key = %key.tag(), %error, suppressed, "lease renewal failed");
-                        }
-                    }
+                    Err(error) => telemetry::warn_throttled!(error, "lease renewal failed", key = %key.tag()),
                 }
             }
         }));

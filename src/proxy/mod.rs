@@ -41,7 +41,7 @@ pub(crate) use upstream::sweep_idle_connections;
 
 use crate::config::{Config, DeriveField, Mode, OnInFlight, OnStoreError, Policy, Route, RouteMatch};
 use crate::store::{Claim, Outcome as Stored, Owner, StoreError, StoreHandle, StoredResponse};
-use crate::telemetry::{self, Metrics, Outcome, RouteCounters, Throttle, error_chain};
+use crate::telemetry::{self, Metrics, Outcome, RouteCounters};
 use exchange::Exchange;
 use upstream::UpstreamClient;
 
@@ -400,11 +400,7 @@ impl Gateway {
                             Err(error) => {
                                 // The store said another request holds the key:
                                 // even with on_error = "pass", do not forward.
-                                static THROTTLE: Throttle = Throttle::new();
-                                if let Some(suppressed) = THROTTLE.admit() {
-                                    let error = error_chain(&error);
-                                    tracing::warn!(route = %live.route.name, %error, suppressed, "waiting on the store failed");
-                                }
+                                telemetry::warn_throttled!(error, "waiting on the store failed", route = %live.route.name);
                                 Problem::RequestInFlight
                             }
                         }
@@ -421,11 +417,7 @@ impl Gateway {
                     return Problem::StoreUnavailable.response();
                 }
                 Err(error) => {
-                    static THROTTLE: Throttle = Throttle::new();
-                    if let Some(suppressed) = THROTTLE.admit() {
-                        let error = error_chain(&error);
-                        tracing::warn!(route = %live.route.name, %error, suppressed, "store claim failed");
-                    }
+                    telemetry::warn_throttled!(error, "store claim failed", route = %live.route.name);
                     Problem::StoreUnavailable
                 }
             };

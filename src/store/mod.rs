@@ -32,7 +32,6 @@ pub use memory::MemoryStore;
 pub use redis::RedisStore;
 
 use crate::config::{StoreBackend, StoreConfig};
-use crate::telemetry::{Throttle, error_chain};
 use crate::wire::names;
 
 /// Locks `mutex`, poisoned or not: a panic while holding one of the
@@ -643,11 +642,7 @@ impl StoreHandle {
     /// the store fails to: its lease then ends it.
     async fn release_abandoned(&self, key: RecordKey, owner: Owner) {
         if let Err(error) = self.release(&key, owner).await {
-            static THROTTLE: Throttle = Throttle::new();
-            if let Some(suppressed) = THROTTLE.admit() {
-                let error = error_chain(&error);
-                tracing::warn!(key = %key.tag(), %error, suppressed, "releasing an abandoned claim failed");
-            }
+            crate::telemetry::warn_throttled!(error, "releasing an abandoned claim failed", key = %key.tag());
         }
     }
 

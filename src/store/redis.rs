@@ -248,46 +248,28 @@ enum Connection {
 }
 
 /// A thread's cluster connection, made on first use. A connect that fails
-/// backs off as a single server's does ([`resp::backoff`]): calls meanwhile
+/// backs off as a single server's does ([`resp::Backoff`]): calls meanwhile
 /// fail at once, as not sent, instead of each trying the nodes again.
 #[derive(Default)]
 struct ClusterSlot {
     connection: OnceCell<ClusterConnection>,
-    failed: Mutex<FailedConnects>,
-}
-
-#[derive(Default)]
-struct FailedConnects {
-    count: u32,
-    retry_at: Option<std::time::Instant>,
-    why: String,
+    backoff: Mutex<resp::Backoff>,
 }
 
 impl ClusterSlot {
     async fn connect(&self, client: &redis::cluster::ClusterClient) -> Result<ClusterConnection, StoreError> {
-        {
-            let failed = lock(&self.failed);
-            let now = std::time::Instant::now();
-            if let Some(at) = failed.retry_at.filter(|at| now < *at) {
-                let why = format!(
-                    "{}; the next attempt is in {} ms",
-                    failed.why,
-                    (at - now).as_millis() + 1
-                );
-                return Err(StoreError::NotSent(why.into()));
-            }
+        if let Some(why) = lock(&self.backoff).waiting() {
+            return Err(StoreError::NotSent(why.into()));
         }
         match client.get_async_connection().await {
             Ok(connection) => {
-                *lock(&self.failed) = FailedConnects::default();
+                *lock(&self.backoff) = resp::Backoff::default();
                 Ok(connection)
             }
             Err(error) => {
-                let mut failed = lock(&self.failed);
-                failed.count = failed.count.saturating_add(1);
-                failed.retry_at = Some(std::time::Instant::now() + resp::backoff(failed.count));
-                failed.why = format!("the Redis Cluster could not be reached: {error}");
-                Err(StoreError::NotSent(failed.why.clone().into()))
+                let why = format!("the Redis Cluster could not be reached: {error}");
+                lock(&self.backoff).failed(why.clone());
+                Err(StoreError::NotSent(why.into()))
             }
         }
     }

@@ -19,7 +19,7 @@
 //! command connects anew; at most one connect is in flight, and commands
 //! sent meanwhile wait for it in the buffer. A connect that fails (refused,
 //! timed out, its greeting turned down) is not tried again for a while
-//! ([`backoff`]: 25 ms, doubling to 1 s); commands meanwhile fail at once,
+//! ([`Backoff`]: 25 ms, doubling to 1 s); commands meanwhile fail at once,
 //! as not sent. A command is written even
 //! when its caller has stopped waiting for it: a release or completion
 //! that lands late still does its work (each checks its owner), and a
@@ -154,11 +154,7 @@ struct State {
     unsent: usize,
     /// The reader and writer of the live connection.
     tasks: Vec<AbortHandle>,
-    /// Connects that failed in a row, when the next may start (see
-    /// [`backoff`]), and why the last one failed.
-    failed_connects: u32,
-    retry_at: Option<std::time::Instant>,
-    last_failure: String,
+    backoff: Backoff,
 }
 
 enum Link {
@@ -189,9 +185,7 @@ impl Connection {
                     waiting: VecDeque::new(),
                     unsent: 0,
                     tasks: Vec::new(),
-                    failed_connects: 0,
-                    retry_at: None,
-                    last_failure: String::new(),
+                    backoff: Backoff::default(),
                 }),
             }),
             written: Arc::new(Notify::new()),
@@ -228,15 +222,8 @@ impl Connection {
             Link::Up => state.out.is_empty(),
             Link::Connecting => false,
             Link::Down => {
-                if let Some(at) = state.retry_at {
-                    let now = std::time::Instant::now();
-                    if now < at {
-                        return Err(not_sent(format!(
-                            "{}; the next attempt is in {} ms",
-                            state.last_failure,
-                            (at - now).as_millis() + 1
-                        )));
-                    }
+                if let Some(why) = state.backoff.waiting() {
+                    return Err(not_sent(why));
                 }
                 let runtime = tokio::runtime::Handle::try_current()
                     .map_err(|_| not_sent("a Redis connection is made on a Tokio runtime".to_owned()))?;
@@ -265,14 +252,43 @@ impl Connection {
     }
 }
 
-/// How long after `failed` connects in a row the next may start: 25 ms,
-/// doubling to at most 1 s. Commands sent meanwhile fail at once, as not
-/// sent, so a Redis that is down (or a host that refuses it) meets a
-/// connect from each thread a few times a second at most rather than one
-/// per request, and a Redis back again is used within a second.
-pub(super) fn backoff(failed: u32) -> Duration {
-    let doublings = failed.clamp(1, 7) - 1;
-    Duration::from_millis(25 << doublings).min(Duration::from_secs(1))
+/// Connects that failed in a row, when the next may start, and why the
+/// last one failed. After `n` failures the next waits 25 ms, doubling with
+/// each to at most 1 s; calls meanwhile fail at once, as not sent, so a
+/// Redis that is down (or a host that refuses it) meets a connect from
+/// each thread a few times a second at most rather than one per request,
+/// and a Redis back again is used within a second. A single server's
+/// connection and a thread's cluster connection each keep one.
+#[derive(Default)]
+pub(super) struct Backoff {
+    failed: u32,
+    retry_at: Option<std::time::Instant>,
+    why: String,
+}
+
+impl Backoff {
+    /// Why no connect may start yet, while the back-off runs.
+    pub(super) fn waiting(&self) -> Option<String> {
+        let now = std::time::Instant::now();
+        let at = self.retry_at.filter(|at| now < *at)?;
+        Some(format!(
+            "{}; the next attempt is in {} ms",
+            self.why,
+            (at - now).as_millis() + 1
+        ))
+    }
+
+    /// A connect failed, for `why`.
+    pub(super) fn failed(&mut self, why: String) {
+        self.failed = self.failed.saturating_add(1);
+        self.retry_at = Some(std::time::Instant::now() + Backoff::wait(self.failed));
+        self.why = why;
+    }
+
+    fn wait(failed: u32) -> Duration {
+        let doublings = failed.clamp(1, 7) - 1;
+        Duration::from_millis(25 << doublings).min(Duration::from_secs(1))
+    }
 }
 
 /// Empties `buffer`, letting go of what a burst of large records grew.
@@ -319,7 +335,7 @@ impl Shared {
     }
 
     /// Fails the connect of `epoch`, which Redis refused or never
-    /// answered: the next waits out its [`backoff`]. (A connection that
+    /// answered: the next waits out its [`Backoff`]. (A connection that
     /// broke once made, or a connect whose task was dropped, is made again
     /// at once.)
     fn connect_failed(&self, epoch: u64, error: &RedisError) {
@@ -328,9 +344,7 @@ impl Shared {
             if state.epoch != epoch {
                 return;
             }
-            state.failed_connects = state.failed_connects.saturating_add(1);
-            state.retry_at = Some(std::time::Instant::now() + backoff(state.failed_connects));
-            state.last_failure = format!("Redis could not be reached: {error}");
+            state.backoff.failed(format!("Redis could not be reached: {error}"));
         }
         self.fail(epoch, error);
     }
@@ -349,9 +363,7 @@ impl Shared {
                 return;
             }
             state.link = Link::Up;
-            state.failed_connects = 0;
-            state.retry_at = None;
-            state.last_failure = String::new();
+            state.backoff = Backoff::default();
         }
         let ends = || EndsWith {
             shared: Arc::downgrade(self),
@@ -884,7 +896,9 @@ mod tests {
 
     #[test]
     fn connects_back_off_from_25_ms_to_a_second() {
-        let waits: Vec<u128> = [1, 2, 3, 6, 7, 8, u32::MAX].map(|n| backoff(n).as_millis()).into();
+        let waits: Vec<u128> = [1, 2, 3, 6, 7, 8, u32::MAX]
+            .map(|n| Backoff::wait(n).as_millis())
+            .into();
         assert_eq!(waits, [25, 50, 100, 800, 1000, 1000, 1000]);
     }
 
@@ -914,15 +928,25 @@ mod tests {
         assert_eq!(ping(&runtime(), &connection), "PONG");
     }
 
+    /// A `PING` sent on a connection to a peer of the test's own, the
+    /// connection logging in as `login` (`user:password@`, or `:password@`)
+    /// to database `db`: the connection, the answer to come and the peer.
+    async fn ping_logging_in(
+        login: &str,
+        db: u8,
+    ) -> (Connection, oneshot::Receiver<RedisResult<Value>>, tokio::net::TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let connection = connection_at(&format!("redis://{login}{}/{db}", listener.local_addr().unwrap()));
+        let answer = connection.send(&redis::cmd("PING")).unwrap();
+        let (peer, _) = listener.accept().await.unwrap();
+        (connection, answer, peer)
+    }
+
     /// A server that knows no `AUTH` quotes its arguments back; the error
     /// names the refusal and never the password.
     #[tokio::test]
     async fn a_refused_greeting_never_repeats_the_password() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("redis://:hunter2@{}/0", listener.local_addr().unwrap());
-        let connection = connection_at(&url);
-        let answer = connection.send(&redis::cmd("PING")).unwrap();
-        let (mut peer, _) = listener.accept().await.unwrap();
+        let (_connection, answer, mut peer) = ping_logging_in(":hunter2@", 0).await;
         receive(&mut peer, &redis::cmd("AUTH").arg("hunter2").get_packed_command()).await;
         peer.write_all(b"-ERR unknown command 'AUTH', with args beginning with: 'hunter2' \r\n")
             .await
@@ -936,11 +960,7 @@ mod tests {
     /// user is greeted again without it, and its database still selected.
     #[tokio::test]
     async fn a_server_before_redis_6_is_greeted_again_without_the_user() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("redis://gate:s3cret@{}/3", listener.local_addr().unwrap());
-        let connection = connection_at(&url);
-        let answer = connection.send(&redis::cmd("PING")).unwrap();
-        let (mut peer, _) = listener.accept().await.unwrap();
+        let (_connection, answer, mut peer) = ping_logging_in("gate:s3cret@", 3).await;
         let select = redis::cmd("SELECT").arg(3).get_packed_command();
         let with_user = redis::cmd("AUTH").arg("gate").arg("s3cret").get_packed_command();
         receive(&mut peer, &[with_user, select.clone()].concat()).await;

@@ -84,6 +84,20 @@ impl Default for Throttle {
     }
 }
 
+/// `tracing::warn!(fields.., "message")` with `error`'s chain, from each
+/// place it is written at most once a second (a [`Throttle`] of its own),
+/// with `suppressed`.
+macro_rules! warn_throttled {
+    ($error:expr, $message:literal, $($field:tt)+) => {{
+        static THROTTLE: $crate::telemetry::Throttle = $crate::telemetry::Throttle::new();
+        if let Some(suppressed) = THROTTLE.admit() {
+            let error = $crate::telemetry::error_chain(&$error);
+            tracing::warn!($($field)+, %error, suppressed, $message);
+        }
+    }};
+}
+pub(crate) use warn_throttled;
+
 /// Installs the global subscriber: `RUST_LOG` filters (default `info`),
 /// `IDEMGATE_LOG_FORMAT=json` selects JSON lines instead of text.
 pub fn init() {

@@ -6,6 +6,15 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A store on the Redis at `url`, its calls and the handle's deadline 1 s
+/// each.
+pub fn redis_store(url: &str) -> idemgate::store::StoreHandle {
+    idemgate::store::StoreHandle::new(
+        std::sync::Arc::new(idemgate::store::RedisStore::single(url, Duration::from_secs(1)).unwrap()),
+        Duration::from_secs(1),
+    )
+}
+
 /// A free loopback port (and, for a cluster node, its bus port + 10000).
 fn free_port(with_bus: bool) -> u16 {
     loop {
