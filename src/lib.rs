@@ -22,7 +22,8 @@
 //! - [`store`]: the [`store::Store`] contract, the record codec, and its
 //!   backends: memory, embedded (redb behind a write-ahead log), Redis and
 //!   Redis Cluster.
-//! - [`telemetry`]: tracing setup and the metrics.
+//! - [`telemetry`]: tracing setup, the throttle for warnings a down store
+//!   would repeat per request, and the metrics.
 //!
 //! # The life of a request
 //!

@@ -1,4 +1,6 @@
-//! Logging through `tracing` and the process's metrics.
+//! Logging through `tracing` (with `warn_throttled!` for the warnings a
+//! store that is down would repeat for every request) and the process's
+//! metrics.
 
 pub mod metrics;
 
