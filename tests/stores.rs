@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use idemgate::store::{RedisStore, StoreHandle};
-use support::redis::{RedisCluster, RedisServer, redis_store};
+use support::redis::{RedisCluster, RedisServer, redis_store, redis_store_within};
 use support::{Binary, Proxy, Reply, TestClient, Upstream};
 use tokio::time::Instant;
 
@@ -418,18 +418,79 @@ async fn a_claim_that_timed_out_is_released_once_the_store_takes_it() {
     while paused_at.elapsed() < Duration::from_millis(2700) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // 503 while a worker's connection is still catching up.
     let deadline = Instant::now() + Duration::from_secs(5);
+    runs_in_the_end(&client, &proxy, "stalled", StatusCode::SERVICE_UNAVAILABLE, deadline).await;
+    assert_eq!(upstream.hits(), 2);
+}
+
+/// Retries `key` until it runs (201, not a replay) before `deadline`, each
+/// answer until then `meanwhile`.
+async fn runs_in_the_end(client: &TestClient, proxy: &Proxy, key: &str, meanwhile: StatusCode, deadline: Instant) {
     loop {
-        let retry = client.post(&proxy.url("/v1/orders"), "stalled", "{}").await;
+        let retry = client.post(&proxy.url("/v1/orders"), key, "{}").await;
         if retry.status == StatusCode::CREATED {
             assert!(!retry.replayed());
-            break;
+            return;
         }
-        // 503 while a worker's connection is still catching up.
-        assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE, "{}", retry.text());
-        assert!(Instant::now() < deadline, "the stalled claim was never released");
+        assert_eq!(retry.status, meanwhile, "{}", retry.text());
+        assert!(Instant::now() < deadline, "the claim was not released in time");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A claim the store answers only after a whole lease (a store timeout
+/// longer than `lock_timeout`) is refused, not forwarded: the lease may have
+/// run out on the way and another request may hold the key by now. It is
+/// released, so the retry runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_answered_after_its_lease_is_refused_and_released() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::created().await;
+    let store = redis_store_within(&redis.url(), Duration::from_secs(3));
+    let proxy = Proxy::start_with_store(&upstream.url(), &format!("{ROUTE}lock_timeout = \"1s\"\n"), store).await;
+    let client = TestClient::default();
+    assert_eq!(client.post(&proxy.url("/v1/orders"), "warm", "{}").await.status, 201);
+    // Writes stall for 1.5 s: the claim is answered after its 1 s lease.
+    assert!(redis.cli(&["client", "pause", "1500", "write"]).is_some());
+    let late = client.post(&proxy.url("/v1/orders"), "late", "{}").await;
+    assert_eq!(late.status, StatusCode::SERVICE_UNAVAILABLE, "{}", late.text());
+    assert_eq!(late.problem(), "store-unavailable");
+    assert_eq!(upstream.hits(), 1, "not forwarded");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    runs_in_the_end(&client, &proxy, "late", StatusCode::CONFLICT, deadline).await;
+    assert_eq!(upstream.hits(), 2);
+}
+
+/// A claim still unanswered a whole lease after it timed out (a store
+/// stalled that long) may yet be taken when the store wakes: it is
+/// released all the same, and the retry does not meet a 409 for another
+/// lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_unanswered_for_a_lease_is_released_all_the_same() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start_with_store(
+        &upstream.url(),
+        &format!("{ROUTE}lock_timeout = \"1s\"\n"),
+        redis_store(&redis.url()),
+    )
+    .await;
+    let client = TestClient::default();
+    assert_eq!(client.post(&proxy.url("/v1/orders"), "warm", "{}").await.status, 201);
+    // Writes stall for 2.5 s: the claim times out at 1 s, is seen through
+    // for its 1 s lease, and is taken at 2.5 s with a lease to 3.5 s.
+    assert!(redis.cli(&["client", "pause", "2500", "write"]).is_some());
+    let paused_at = Instant::now();
+    let stalled = client.post(&proxy.url("/v1/orders"), "stalled", "{}").await;
+    assert_eq!(stalled.status, StatusCode::SERVICE_UNAVAILABLE, "{}", stalled.text());
+    while paused_at.elapsed() < Duration::from_millis(2700) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // 503 while a worker's connection is still catching up, never 409;
+    // before 3.4 s, ahead of the stalled claim's own lease freeing the key.
+    let deadline = paused_at + Duration::from_millis(3400);
+    runs_in_the_end(&client, &proxy, "stalled", StatusCode::SERVICE_UNAVAILABLE, deadline).await;
     assert_eq!(upstream.hits(), 2);
 }
 

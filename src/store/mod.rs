@@ -597,10 +597,11 @@ impl StoreHandle {
         runtime.spawn(async move {
             let answer = tokio::time::timeout(lease, claim).await;
             SEEN_THROUGH.fetch_sub(1, Ordering::Relaxed);
-            // Not taken, or its lease is over: nothing to release.
-            if let Ok(Ok(Claim::InFlight { .. } | Claim::Completed { .. }) | Err(StoreError::NotSent(_))) | Err(_) =
-                answer
-            {
+            // Not taken: nothing to release. Still unanswered after a whole
+            // lease, it may yet be taken (a store that stalled), and is
+            // released all the same: the release is owner-checked and goes
+            // behind the claim on the same connection.
+            if let Ok(Ok(Claim::InFlight { .. } | Claim::Completed { .. }) | Err(StoreError::NotSent(_))) = answer {
                 return;
             }
             tracing::debug!(key = %key.tag(), "a claim answered after its timeout is released");

@@ -9,9 +9,14 @@ use std::time::{Duration, Instant};
 /// A store on the Redis at `url`, its calls and the handle's deadline 1 s
 /// each.
 pub fn redis_store(url: &str) -> idemgate::store::StoreHandle {
+    redis_store_within(url, Duration::from_secs(1))
+}
+
+/// [`redis_store`] with calls and deadline of `timeout`.
+pub fn redis_store_within(url: &str, timeout: Duration) -> idemgate::store::StoreHandle {
     idemgate::store::StoreHandle::new(
-        std::sync::Arc::new(idemgate::store::RedisStore::single(url, Duration::from_secs(1)).unwrap()),
-        Duration::from_secs(1),
+        std::sync::Arc::new(idemgate::store::RedisStore::single(url, timeout).unwrap()),
+        timeout,
     )
 }
 
