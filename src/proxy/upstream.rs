@@ -254,6 +254,10 @@ impl AsyncWrite for Stream {
     }
 }
 
+/// How long a pooled connection idles before its reuse asks the kernel
+/// whether it closed, instead of trusting what the runtime last saw.
+const ASK_THE_KERNEL_AFTER: Duration = Duration::from_millis(100);
+
 /// A connection and the bytes read from it but not yet used.
 struct Conn {
     stream: Stream,
@@ -266,7 +270,8 @@ impl Conn {
     /// than `idle_timeout`, and nothing (an EOF, stray bytes, a TLS close)
     /// arrived while it was idle.
     fn usable(&mut self, idle_timeout: Duration) -> bool {
-        if coarse_now().saturating_duration_since(self.idle_since) > idle_timeout || !self.buf.is_empty() {
+        let idle = coarse_now().saturating_duration_since(self.idle_since);
+        if idle > idle_timeout || !self.buf.is_empty() {
             return false;
         }
         if let Stream::Tls(tls) = &mut self.stream {
@@ -275,9 +280,17 @@ impl Conn {
                 _ => return false,
             }
         }
-        // No system call unless the runtime saw the socket become readable
-        // (or readiness is left from the last read): then a one-byte probe.
-        // Any byte read means the connection is dropped anyway.
+        // Idle a while, as when an upstream closes idle connections on a
+        // timer, and its FIN (or a stray `408`) may have come in since the
+        // runtime last asked the kernel: the kernel is asked (a peek, which
+        // reads nothing). Busy, no system call unless the runtime saw the
+        // socket become readable (or readiness is left from the last read):
+        // then a one-byte probe. Any byte means the connection is dropped.
+        if idle >= ASK_THE_KERNEL_AFTER {
+            let mut probe = [MaybeUninit::<u8>::uninit(); 1];
+            let peeked = socket2::SockRef::from(self.stream.tcp()).peek(&mut probe);
+            return matches!(peeked, Err(e) if e.kind() == io::ErrorKind::WouldBlock);
+        }
         let mut probe = [0u8; 1];
         matches!(self.stream.tcp().try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
     }
@@ -831,6 +844,47 @@ mod tests {
             }
         }
         (addr, socket, queued)
+    }
+
+    /// A pooled connection idle a while, and what its peer did meanwhile
+    /// (written before the runtime ever looks at the socket again).
+    async fn idle_conn(peer_does: impl FnOnce(&mut std::net::TcpStream)) -> (Conn, std::net::TcpStream) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let tcp = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let (mut peer, _) = listener.accept().unwrap();
+        peer_does(&mut peer);
+        // No `.await` from here: the runtime never polls the socket.
+        std::thread::sleep(Duration::from_millis(50));
+        let idle_since = coarse_now() - ASK_THE_KERNEL_AFTER * 2;
+        (
+            Conn {
+                stream: Stream::Plain(tcp),
+                buf: BytesMut::new(),
+                idle_since,
+            },
+            peer,
+        )
+    }
+
+    /// An upstream that closed an idle connection (here with a stray `408`
+    /// first, as some do) is not sent the next request, though the runtime
+    /// has not seen the close yet; a quiet one is reused.
+    #[tokio::test]
+    async fn a_close_the_runtime_has_not_seen_is_still_noticed() {
+        use std::io::Write;
+        let (mut closed, peer) = idle_conn(|peer| {
+            peer.write_all(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n\r\n")
+                .unwrap();
+            peer.shutdown(std::net::Shutdown::Both).unwrap();
+        })
+        .await;
+        drop(peer);
+        assert!(!closed.usable(Duration::from_secs(4)));
+        let (mut fin, peer) = idle_conn(|peer| peer.shutdown(std::net::Shutdown::Write).unwrap()).await;
+        assert!(!fin.usable(Duration::from_secs(4)));
+        drop(peer);
+        let (mut quiet, _peer) = idle_conn(|_| {}).await;
+        assert!(quiet.usable(Duration::from_secs(4)));
     }
 
     #[tokio::test]
