@@ -104,10 +104,11 @@ pub fn derive(fields: &[DeriveField], source: &KeySource<'_>) -> Result<String, 
             }
             DeriveField::Path(param) => source.params.param(param).map(|v| Value::String(v.to_string())),
             DeriveField::Query(name) => {
-                let mut values: Vec<Value> = form_urlencoded::parse(source.query.unwrap_or("").as_bytes())
-                    .filter(|(k, _)| k == name)
-                    .map(|(_, v)| Value::String(v.into_owned()))
-                    .collect();
+                let mut values = query_values(source.query.unwrap_or(""), name).ok_or_else(|| {
+                    Problem::KeyInvalid(format!(
+                        "the key is derived from `{field}`, whose value is not UTF-8 text once decoded"
+                    ))
+                })?;
                 // One value as itself; repeated ones as a list, so that
                 // `?ref=a&ref=b` is not `?ref=a,b` (header lines, which
                 // HTTP takes as one comma list, are joined).
@@ -165,6 +166,26 @@ where
     RecordKey(hasher.finalize().into())
 }
 
+/// The values of the query's `name` fields, decoded as a form's are (`+` a
+/// space, then `%XX` escapes); `None` when one is not UTF-8 once decoded.
+/// Not `form_urlencoded::parse`, which turns such bytes into U+FFFD, so
+/// that `?ref=%FF` and `?ref=%FE` would derive one key.
+fn query_values(query: &str, name: &str) -> Option<Vec<Value>> {
+    let decode = |text: &str| {
+        percent_encoding::percent_decode_str(&text.replace('+', " "))
+            .decode_utf8()
+            .map(String::from)
+    };
+    let mut values = Vec::new();
+    for pair in query.split('&').filter(|pair| !pair.is_empty()) {
+        let (field, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if decode(field).is_ok_and(|field| field == name) {
+            values.push(Value::String(decode(value).ok()?));
+        }
+    }
+    Some(values)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,6 +209,21 @@ mod tests {
         let key = |query| derived(&fields, &HeaderMap::new(), Some(query)).unwrap();
         assert_ne!(key("ref=a&ref=b"), key("ref=a,b"));
         assert_eq!(key("ref=a&x=1"), key("x=2&ref=a"));
+    }
+
+    #[test]
+    fn a_query_field_is_decoded_whole_or_refused() {
+        let fields = [DeriveField::Query("ref".into())];
+        let key = |query| derived(&fields, &HeaderMap::new(), Some(query));
+        assert_eq!(key("ref=a+b%C3%BC").unwrap(), key("ref=a%20b\u{fc}").unwrap());
+        assert_eq!(key("r%65f=x&ref").unwrap(), key("ref=x&ref=").unwrap());
+        // Bytes that are not UTF-8: refused, not turned into U+FFFD, which
+        // would give `%FF` and `%FE` one key.
+        for bad in ["ref=%FF", "ref=a&ref=%FE"] {
+            assert!(matches!(key(bad), Err(Problem::KeyInvalid(_))), "{bad}");
+        }
+        // Only the derived field's own value counts.
+        assert_eq!(key("x=%FF&ref=a").unwrap(), key("ref=a").unwrap());
     }
 
     #[test]
