@@ -398,19 +398,33 @@ async fn an_unreachable_cluster_is_not_tried_again_at_once() {
     assert!(!third.contains("next attempt"), "{third}");
 }
 
+const LEASE_1S: &str = "lock_timeout = \"1s\"\n";
+
+/// A proxy on a Redis of its own, store calls bounded by `store_timeout`,
+/// `route_extra` added to the route; one request answered, then Redis's
+/// writes paused for `pause_ms`. With when the pause began.
+async fn paused_after_one(
+    store_timeout: Duration,
+    route_extra: &str,
+    pause_ms: &str,
+) -> (RedisServer, Upstream, Proxy, TestClient, Instant) {
+    let redis = RedisServer::start();
+    let upstream = Upstream::created().await;
+    let store = redis_store_within(&redis.url(), store_timeout);
+    let proxy = Proxy::start_with_store(&upstream.url(), &format!("{ROUTE}{route_extra}"), store).await;
+    let client = TestClient::default();
+    assert_eq!(client.post(&proxy.url("/v1/orders"), "warm", "{}").await.status, 201);
+    assert!(redis.cli(&["client", "pause", pause_ms, "write"]).is_some());
+    (redis, upstream, proxy, client, Instant::now())
+}
+
 /// A claim the store took only after the proxy stopped waiting for it is
 /// released all the same: its retry runs, and does not meet a 409 until the
 /// lease (30 s) runs out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_that_timed_out_is_released_once_the_store_takes_it() {
-    let redis = RedisServer::start();
-    let upstream = Upstream::created().await;
-    let proxy = Proxy::start_with_store(&upstream.url(), ROUTE, redis_store(&redis.url())).await;
-    let client = TestClient::default();
-    assert_eq!(client.post(&proxy.url("/v1/orders"), "warm", "{}").await.status, 201);
     // Writes stall for 2.5 s: the claim is queued, and times out at 1 s.
-    assert!(redis.cli(&["client", "pause", "2500", "write"]).is_some());
-    let paused_at = Instant::now();
+    let (_redis, upstream, proxy, client, paused_at) = paused_after_one(Duration::from_secs(1), "", "2500").await;
     let stalled = client.post(&proxy.url("/v1/orders"), "stalled", "{}").await;
     assert_eq!(stalled.status, StatusCode::SERVICE_UNAVAILABLE, "{}", stalled.text());
     assert_eq!(stalled.problem(), "store-unavailable");
@@ -445,14 +459,8 @@ async fn runs_in_the_end(client: &TestClient, proxy: &Proxy, key: &str, meanwhil
 /// released, so the retry runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_answered_after_its_lease_is_refused_and_released() {
-    let redis = RedisServer::start();
-    let upstream = Upstream::created().await;
-    let store = redis_store_within(&redis.url(), Duration::from_secs(3));
-    let proxy = Proxy::start_with_store(&upstream.url(), &format!("{ROUTE}lock_timeout = \"1s\"\n"), store).await;
-    let client = TestClient::default();
-    assert_eq!(client.post(&proxy.url("/v1/orders"), "warm", "{}").await.status, 201);
     // Writes stall for 1.5 s: the claim is answered after its 1 s lease.
-    assert!(redis.cli(&["client", "pause", "1500", "write"]).is_some());
+    let (_redis, upstream, proxy, client, _) = paused_after_one(Duration::from_secs(3), LEASE_1S, "1500").await;
     let late = client.post(&proxy.url("/v1/orders"), "late", "{}").await;
     assert_eq!(late.status, StatusCode::SERVICE_UNAVAILABLE, "{}", late.text());
     assert_eq!(late.problem(), "store-unavailable");
@@ -468,20 +476,9 @@ async fn a_claim_answered_after_its_lease_is_refused_and_released() {
 /// lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_unanswered_for_a_lease_is_released_all_the_same() {
-    let redis = RedisServer::start();
-    let upstream = Upstream::created().await;
-    let proxy = Proxy::start_with_store(
-        &upstream.url(),
-        &format!("{ROUTE}lock_timeout = \"1s\"\n"),
-        redis_store(&redis.url()),
-    )
-    .await;
-    let client = TestClient::default();
-    assert_eq!(client.post(&proxy.url("/v1/orders"), "warm", "{}").await.status, 201);
     // Writes stall for 2.5 s: the claim times out at 1 s, is seen through
     // for its 1 s lease, and is taken at 2.5 s with a lease to 3.5 s.
-    assert!(redis.cli(&["client", "pause", "2500", "write"]).is_some());
-    let paused_at = Instant::now();
+    let (_redis, upstream, proxy, client, paused_at) = paused_after_one(Duration::from_secs(1), LEASE_1S, "2500").await;
     let stalled = client.post(&proxy.url("/v1/orders"), "stalled", "{}").await;
     assert_eq!(stalled.status, StatusCode::SERVICE_UNAVAILABLE, "{}", stalled.text());
     while paused_at.elapsed() < Duration::from_millis(2700) {

@@ -372,17 +372,7 @@ impl Gateway {
             // store handle has released whatever a failed call may have taken.
             unsettled.armed = false;
             let problem = match claim {
-                Ok(Claim::Claimed) if answered - started < policy.lock_timeout => break started,
-                // Answered only after a whole lease: the lease may have run
-                // out on the way, and another request may hold the key now.
-                Ok(Claim::Claimed) => {
-                    self.context.store.release_in_background(record_key, owner);
-                    static LATE: telemetry::Throttle = telemetry::Throttle::new();
-                    if let Some(suppressed) = LATE.admit() {
-                        tracing::warn!(route = %live.route.name, key = %record_key.tag(), suppressed, "refused: the claim was answered only after its lease ran out");
-                    }
-                    Problem::StoreUnavailable
-                }
+                Ok(Claim::Claimed) => break started,
                 Ok(Claim::InFlight { fingerprint: f, .. } | Claim::Completed { fingerprint: f, .. })
                     if f != fingerprint =>
                 {

@@ -539,7 +539,10 @@ impl StoreHandle {
 
     /// [`Store::claim`] within the store timeout. A call that fails leaves
     /// nothing behind: what the store may still have taken is released (a
-    /// timed-out claim once the store answers it, in the background).
+    /// timed-out claim once the store answers it, in the background). A
+    /// claim answered only after a whole `lease` fails too (a timeout of
+    /// the lease) and is released: its lease, counted from the sending, may
+    /// have run out on the way.
     pub async fn claim(
         &self,
         key: &RecordKey,
@@ -553,9 +556,17 @@ impl StoreHandle {
         }
         let store = self.store.clone();
         let (key, fingerprint) = (*key, *fingerprint);
+        let sent = std::time::Instant::now();
         let mut claim = Box::pin(async move { store.claim(&key, &fingerprint, owner, lease, refresh_ttl).await });
         let result = self.deadline(claim.as_mut()).await;
         match result {
+            // Taken, but answered only after a whole lease (a deadline longer
+            // than the lease): the lease may have run out on the way and
+            // another request may hold the key now. A failure, released.
+            Ok(Claim::Claimed) if sent.elapsed() >= lease => {
+                self.release_in_background(key, owner);
+                return Err(StoreError::Timeout(lease));
+            }
             Err(StoreError::Timeout(_)) => self.see_through(claim, key, owner, lease),
             // Never sent, it took nothing: a release would only be one more
             // call to a store that is down.
