@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::StatusCode;
+use hyper_util::rt::TokioIo;
 use support::{Proxy, Reply, TestClient, Upstream};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -158,6 +159,65 @@ async fn cookies_an_http2_client_splits_reach_the_upstream_joined() {
         let cookies: Vec<_> = seen.headers.get_all("cookie").iter().collect();
         assert_eq!(cookies, ["session=abc; csrf=xyz"]);
     }
+    assert_eq!(upstream.hits(), 2);
+}
+
+/// An HTTP/2 request reads as its HTTP/1.1 form would: `:authority` is
+/// its `Host` and its `Cookie` fields are one, for the scope as for the
+/// upstream. The same request by either protocol is one record, and two
+/// hosts are two scopes.
+#[tokio::test]
+async fn an_http2_request_is_scoped_by_its_authority_and_joined_cookies() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        "[[route]]\nname = \"orders\"\npath = \"/orders\"\nscope = [\"host\", \"cookie\"]\n",
+    )
+    .await;
+    let h2 = |authority: &'static str| {
+        let addr = proxy.addr;
+        async move {
+            let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (mut sender, connection) =
+                hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(stream))
+                    .await
+                    .unwrap();
+            tokio::spawn(connection);
+            let request = http::Request::post(format!("http://{authority}/orders"))
+                .header("idempotency-key", "k-scoped")
+                .header("cookie", "session=abc")
+                .header("cookie", "csrf=xyz")
+                .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
+                .unwrap();
+            let response = sender.send_request(request).await.unwrap();
+            assert_eq!(response.version(), http::Version::HTTP_2);
+            (
+                response.status(),
+                response.headers().contains_key("idempotent-replayed"),
+            )
+        }
+    };
+    assert_eq!(h2("a.example").await, (StatusCode::CREATED, false));
+    assert_eq!(
+        h2("b.example").await,
+        (StatusCode::CREATED, false),
+        "another host, another scope"
+    );
+    assert_eq!(h2("a.example").await, (StatusCode::CREATED, true));
+    // The same request by HTTP/1.1: the same record.
+    let again = TestClient::default()
+        .send(
+            "POST",
+            &proxy.url("/orders"),
+            &[
+                ("host", "a.example"),
+                ("cookie", "session=abc; csrf=xyz"),
+                ("idempotency-key", "k-scoped"),
+            ],
+            "{}",
+        )
+        .await;
+    assert!(again.replayed(), "{}", again.status);
     assert_eq!(upstream.hits(), 2);
 }
 

@@ -63,6 +63,22 @@ pub fn drop_named<'a>(headers: &mut HeaderMap, values: impl Iterator<Item = &'a 
     }
 }
 
+/// Gives an HTTP/2 request's headers the shape an HTTP/1.1 head would have,
+/// before anything reads them, so a route's `scope`, derived key and
+/// fingerprint see the same request whichever protocol a retry comes by:
+/// a `Host` from `:authority` (HTTP/2 clients send no `Host`; RFC 9113
+/// §8.3.1), and the `Cookie` fields it may send one per cookie joined.
+pub fn h2_as_h1(uri: &Uri, headers: &mut HeaderMap) {
+    if !headers.contains_key(header::HOST)
+        && let Some(authority) = uri.authority()
+        // host[:port]: never a user or password the target named.
+        && let Ok(host) = HeaderValue::from_str(authority.as_str().rsplit('@').next().unwrap_or_default())
+    {
+        headers.insert(header::HOST, host);
+    }
+    join_cookies(headers);
+}
+
 /// Joins the `Cookie` fields an HTTP/2 client may send one per cookie into
 /// one, separated by "; ", as an HTTP/1.1 hop must see them (RFC 9113
 /// §8.2.3): many backends read only the first `Cookie` line, and would
@@ -115,14 +131,11 @@ pub fn prepare(request: &mut Request<ClientBody>, upstream: &Uri, peer: Peer) {
     let mut parts = upstream.clone().into_parts();
     parts.path_and_query = Some(path);
     *request.uri_mut() = Uri::from_parts(parts).expect("an upstream URL plus a request path is a URI");
-    let from_h2 = request.version() == Version::HTTP_2;
+    // An HTTP/2 request's cookies were joined as it arrived (`h2_as_h1`).
     *request.version_mut() = Version::HTTP_11;
 
     let headers = request.headers_mut();
     strip_hop_by_hop(headers);
-    if from_h2 {
-        join_cookies(headers);
-    }
     // Every earlier hop, from every X-Forwarded-For line, then this client;
     // one lookup of the name whether it is there or not.
     let entry = headers.entry(X_FORWARDED_FOR.clone());
@@ -238,31 +251,33 @@ mod tests {
     }
 
     #[test]
-    fn cookies_split_by_an_http2_client_are_joined_for_the_http1_hop() {
-        let request = |version| {
-            let mut request = Request::builder()
-                .version(version)
-                .uri("https://rp2.alfred511.top/huggingface/orders")
-                .header(header::COOKIE, "session=abc")
-                .header(header::COOKIE, "csrf=xyz")
-                .header(header::COOKIE, "theme=dark")
-                .body(ClientBody::whole(bytes::Bytes::new()))
-                .unwrap();
-            let peer = Peer {
-                addr: "127.0.0.1:9".parse().unwrap(),
-                tls: false,
-            };
-            prepare(&mut request, &Uri::from_static("http://127.0.0.1:8080"), peer);
-            request
-                .headers()
-                .get_all(header::COOKIE)
-                .iter()
-                .map(|v| v.to_str().unwrap().to_owned())
-                .collect::<Vec<_>>()
+    fn an_http2_request_takes_its_http1_shape() {
+        let cookies = |headers: &HeaderMap| {
+            let values = headers.get_all(header::COOKIE).iter();
+            values.map(|v| v.to_str().unwrap().to_owned()).collect::<Vec<_>>()
         };
-        assert_eq!(request(Version::HTTP_2), ["session=abc; csrf=xyz; theme=dark"]);
-        // An HTTP/1.1 client's lines go as sent, as nginx passes them.
-        assert_eq!(request(Version::HTTP_11), ["session=abc", "csrf=xyz", "theme=dark"]);
+        let mut headers = HeaderMap::new();
+        for cookie in ["session=abc", "csrf=xyz", "theme=dark"] {
+            headers.append(header::COOKIE, HeaderValue::from_static(cookie));
+        }
+        h2_as_h1(
+            &Uri::from_static("https://user:pw@api.example.com:8443/orders"),
+            &mut headers,
+        );
+        assert_eq!(cookies(&headers), ["session=abc; csrf=xyz; theme=dark"]);
+        assert_eq!(headers[header::HOST], "api.example.com:8443");
+        // A Host the client sent is kept; without an authority there is none.
+        let mut sent = HeaderMap::new();
+        sent.insert(header::HOST, HeaderValue::from_static("sent.example"));
+        h2_as_h1(&Uri::from_static("http://api.example.com/orders"), &mut sent);
+        assert_eq!(sent[header::HOST], "sent.example");
+        let mut none = HeaderMap::new();
+        none.insert(header::COOKIE, HeaderValue::from_static("one=1"));
+        h2_as_h1(&Uri::from_static("/orders"), &mut none);
+        assert_eq!(
+            (none.get(header::HOST), cookies(&none)),
+            (None, vec!["one=1".to_owned()])
+        );
     }
 
     #[test]

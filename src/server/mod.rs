@@ -392,7 +392,9 @@ async fn serve_h2<S>(
             let gateway = gateway.load_full();
             let open = Open::new(&activity);
             async move {
-                let request = request.map(|body| ClientBody::h2(body, idle));
+                let (mut parts, body) = request.into_parts();
+                crate::proxy::forward::h2_as_h1(&parts.uri, &mut parts.headers);
+                let request = http::Request::from_parts(parts, ClientBody::h2(body, idle));
                 let response = gateway.handle(request, peer).await;
                 // Open until its body has been handed to hyper whole (or dropped).
                 Ok::<_, Infallible>(response.map(|body| Tracked::new(body, open)))
