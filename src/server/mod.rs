@@ -408,6 +408,9 @@ async fn serve_h2<S>(
         // unread upstream would stall every other stream's body, which
         // `idle` would then end as stalled.
         .initial_connection_window_size(H2_CONNECTION_WINDOW)
+        // The head an HTTP/1.1 client may send (hyper's default is 16 KiB),
+        // counted as HTTP/2 counts a header list: 32 bytes more a field.
+        .max_header_list_size((crate::wire::MAX_HEAD + 32 * crate::wire::MAX_HEADERS) as u32)
         .serve_connection(TokioIo::new(stream), service);
     tokio::pin!(connection);
     let result = tokio::select! {
