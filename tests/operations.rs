@@ -483,3 +483,31 @@ async fn a_second_sigterm_ends_the_drain_at_once() {
     let status = gate.wait(Duration::from_secs(5)).expect("the second signal ends it");
     assert_eq!(status.code(), Some(1));
 }
+
+/// The admin listener lets go of a connection that sends no head, or a
+/// part of one, within `header_read_timeout`, and of a kept-alive one that
+/// goes quiet, as the proxy's listener does: none holds a socket for ever.
+#[tokio::test]
+async fn the_admin_listener_closes_connections_that_send_nothing() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(&upstream.url(), "[server]\nheader_read_timeout = \"300ms\"\n").await;
+    let admin = proxy.admin.unwrap();
+    for sent in [
+        "",
+        "GET /healthz HTTP/1.1\r\nhost: x\r\n",
+        "GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n",
+    ] {
+        let mut stream = tokio::net::TcpStream::connect(admin).await.unwrap();
+        stream.write_all(sent.as_bytes()).await.unwrap();
+        let mut seen = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut seen))
+            .await
+            .unwrap_or_else(|_| panic!("the admin connection sent {sent:?} was left open"))
+            .unwrap();
+        // The whole request was answered first.
+        let seen = String::from_utf8_lossy(&seen);
+        assert_eq!(seen.starts_with("HTTP/1.1 200"), sent.ends_with("\r\n\r\n"), "{seen}");
+    }
+}

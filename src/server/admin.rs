@@ -6,6 +6,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 
@@ -13,9 +14,9 @@ use bytes::Bytes;
 use http::header::CONTENT_TYPE;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
+use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -23,13 +24,21 @@ use crate::proxy::{Gateway, ResponseBody};
 use crate::store::{Outcome, Record};
 use crate::telemetry::Metrics;
 
+/// Serves HTTP/1.1 (what Prometheus, curl and health checks speak) until
+/// `stop`. A connection that sends no complete head within
+/// `header_read_timeout`, first or between requests, is closed, as the
+/// proxy's listener closes its idle connections.
 pub async fn serve(
     listener: TcpListener,
     gateway: Arc<ArcSwap<Gateway>>,
     metrics: Arc<Metrics>,
+    header_read_timeout: Duration,
     mut stop: watch::Receiver<()>,
 ) {
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_read_timeout);
     loop {
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -48,8 +57,7 @@ pub async fn serve(
             let (gateway, metrics) = (gateway.load_full(), metrics.clone());
             async move { Ok::<_, Infallible>(answer(request, &gateway, &metrics).await) }
         });
-        let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
-        tokio::spawn(connection);
+        tokio::spawn(builder.serve_connection(TokioIo::new(stream), service));
     }
 }
 
@@ -206,7 +214,7 @@ pub async fn call(
 ) -> Result<(StatusCode, String), hyper_util::client::legacy::Error> {
     use http_body_util::BodyExt;
     let client: hyper_util::client::legacy::Client<_, http_body_util::Empty<Bytes>> =
-        hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http();
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
     let mut request = Request::builder()
         .method(method)
         .uri(format!("http://{addr}{path_and_query}"));

@@ -268,7 +268,14 @@ impl Server {
         let config = gateway.load().config().clone();
         let (stop_admin, admin_stopped) = tokio::sync::watch::channel(());
         if let Some(admin) = admin {
-            tokio::spawn(admin::serve(admin, gateway.clone(), metrics, admin_stopped));
+            let header_read_timeout = config.server.header_read_timeout;
+            tokio::spawn(admin::serve(
+                admin,
+                gateway.clone(),
+                metrics,
+                header_read_timeout,
+                admin_stopped,
+            ));
         }
         // This worker's idle upstream connections, swept while it serves.
         let _sweeper = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(crate::proxy::sweep_idle_connections()));
