@@ -390,6 +390,77 @@ fn store_paths_and_urls_are_checked_before_anything_is_bound() {
     .unwrap();
 }
 
+/// Settings a request could never meet, or that would fail every request,
+/// are refused by field instead of accepted: a route host with a port,
+/// scheme or wildcard (it would match nothing, and every request would
+/// pass through unprotected), pointers to ignore in a body fingerprinted
+/// raw (nothing left out), a duration past what a clock can add.
+#[test]
+fn settings_that_could_never_work_are_refused_by_field() {
+    let route = |extra: &str| {
+        let toml = format!("[upstream]\nurl = \"http://h:1\"\n[[route]]\nname = \"a\"\npath = \"/a\"\n{extra}\n");
+        Config::parse(&toml, "x.toml").map_err(|e| e.to_string())
+    };
+    for host in [
+        "api.example.com:8443",
+        "https://api.example.com",
+        "*.example.com",
+        "api.example.com/v1",
+        "",
+        "a b",
+    ] {
+        let error = route(&format!("host = \"{host}\"")).unwrap_err();
+        assert!(error.contains("route[0].host"), "{host}: {error}");
+    }
+    for (host, kept) in [
+        ("API.Example.com.", "api.example.com"),
+        ("10.0.0.7", "10.0.0.7"),
+        ("[::1]", "[::1]"),
+        ("svc_1.internal", "svc_1.internal"),
+    ] {
+        let config = route(&format!("host = \"{host}\"")).unwrap();
+        assert_eq!(config.routes[0].host.as_deref(), Some(kept));
+    }
+
+    let error = route("fingerprint = { ignore = [\"/ts\"] }").unwrap_err();
+    assert!(
+        error.contains("route[0].fingerprint.ignore") && error.contains("\"json\""),
+        "{error}"
+    );
+    // From [defaults], judged on each route as it resolves them.
+    let inherited = "[upstream]\nurl = \"http://h:1\"\n[defaults.fingerprint]\nignore = [\"/ts\"]\n\
+        [[route]]\nname = \"a\"\npath = \"/a\"\nfingerprint = { body = \"json\" }\n\
+        [[route]]\nname = \"b\"\npath = \"/b\"\n";
+    let error = Config::parse(inherited, "x.toml").unwrap_err().to_string();
+    assert!(
+        error.contains("route[1].fingerprint.ignore") && !error.contains("route[0]"),
+        "{error}"
+    );
+    for ok in [
+        "fingerprint = { body = \"json\", ignore = [\"/ts\"] }",
+        "fingerprint = { body = \"none\", ignore = [\"/ts\"] }",
+    ] {
+        route(ok).unwrap();
+    }
+
+    for (field, value) in [
+        ("ttl", "101y"),
+        ("lock_timeout", "300000000000y"),
+        ("wait_timeout", "10000000000000000000s"),
+    ] {
+        let error = route(&format!("{field} = \"{value}\"")).unwrap_err();
+        assert!(error.contains(&format!("route[0].{field}")), "{field}: {error}");
+    }
+    let error = Config::parse("[upstream]\nurl = \"http://h:1\"\ntimeout = \"1000y\"\n", "x.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("upstream.timeout") && error.contains("100y"), "{error}");
+    assert_eq!(
+        route("ttl = \"100y\"").unwrap().routes[0].policy.ttl,
+        Duration::from_secs(3_155_760_000)
+    );
+}
+
 #[test]
 fn ignored_pointers_are_kept_in_an_order_that_removes_what_they_name() {
     // Removing /items/0 first would shift the array, and /items/1 would

@@ -101,9 +101,19 @@ impl Checker {
     }
 }
 
+/// The longest duration a field takes, `100y` (years of 365.25 days, as
+/// the parser counts them): past any TTL or timeout in use, and well short
+/// of what a clock reading plus it, or Redis's `PX`, can hold; beyond
+/// those every request would fail.
+const MAX_DURATION: Duration = Duration::from_secs(100 * 31_557_600);
+
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s.trim())
-        .map_err(|e| format!("`{s}` is not a duration ({e}); write e.g. \"500ms\", \"30s\", \"24h\", \"7d\""))
+    let d = humantime::parse_duration(s.trim())
+        .map_err(|e| format!("`{s}` is not a duration ({e}); write e.g. \"500ms\", \"30s\", \"24h\", \"7d\""))?;
+    if d > MAX_DURATION {
+        return Err(format!("`{s}` is longer than the longest duration taken, \"100y\""));
+    }
+    Ok(d)
 }
 
 /// Sizes: plain bytes, or a number with B, KiB, MiB or GiB (powers of 1024).
@@ -538,6 +548,15 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             upstream_url(s).map(Some)
         });
         let policy = policy(&mut c, &r.policy, &defaults, &at);
+        // Checked on the route, where both are resolved: [defaults] may set
+        // them for routes that each choose their own body.
+        if policy.fingerprint.body == BodyMode::Raw && !policy.fingerprint.ignore.is_empty() {
+            c.problem(
+                &format!("{at}.fingerprint.ignore"),
+                "leaves fields out only with fingerprint.body = \"json\": with \"raw\" every byte of the body \
+                 counts, those fields too (set body = \"json\", or drop ignore)",
+            );
+        }
         for field in &policy.key.derive {
             if let DeriveField::Path(param) = field
                 && !path.has_param(param)
@@ -551,7 +570,13 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         routes.push(Route {
             name,
             path,
-            host: r.host.as_ref().map(|h| h.trim_end_matches('.').to_ascii_lowercase()),
+            host: r.host.as_ref().and_then(|h| match route_host(h) {
+                Ok(host) => Some(host),
+                Err(problem) => {
+                    c.problem(&format!("{at}.host"), problem);
+                    None
+                }
+            }),
             upstream,
             policy,
         });
@@ -567,6 +592,34 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
     } else {
         Err(c.problems)
     }
+}
+
+/// A route's `host` as requests' hosts are compared with it: lower case,
+/// without a fully qualified name's trailing dot. Anything a request's host
+/// can never equal (a port, a scheme, a path, a wildcard) is refused rather
+/// than left to match nothing, which would pass every request through.
+fn route_host(raw: &str) -> Result<String, String> {
+    let host = raw.trim_end_matches('.').to_ascii_lowercase();
+    let ipv6 = host.strip_prefix('[').and_then(|h| h.strip_suffix(']'));
+    if ipv6.is_some_and(|ip| ip.parse::<std::net::Ipv6Addr>().is_ok()) {
+        return Ok(host);
+    }
+    if let Some((name, port)) = host.rsplit_once(':')
+        && port.parse::<u16>().is_ok()
+        && !name.contains(':')
+    {
+        return Err(format!(
+            "`{raw}`: a route's host matches whatever the port; write it without `:{port}`"
+        ));
+    }
+    let valid = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_');
+    if host.is_empty() || !host.bytes().all(valid) {
+        return Err(format!(
+            "`{raw}` is not a host name or address (e.g. \"api.example.com\", \"10.0.0.7\", \"[::1]\"): \
+             no scheme, port, path or wildcard"
+        ));
+    }
+    Ok(host)
 }
 
 /// A problem on `field` unless `url` is a Redis URL the client can use.
