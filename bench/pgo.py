@@ -10,8 +10,10 @@ inlines the code for the paths a gateway actually runs. The result is
 <that path>` benchmarks it. The plain `cargo build --release` is untouched.
 
 Needs: wrk, nginx, redis-server, and the `llvm-profdata` of the LLVM that
-rustc is built on (`rustc -vV` names it; on Debian bookworm with LLVM 22:
-`apt-get install llvm-22`). Only loopback addresses are used.
+rustc is built on (`rustc -vV` names it): rustup's `rustup component add
+llvm-tools` ships it beside rustc (Debian's archive has no LLVM as new as
+rustc's); an `llvm-profdata-<major>` or `llvm-profdata` on the PATH of that
+major version does as well. Only loopback addresses are used.
 
     python3 bench/pgo.py
 """
@@ -50,13 +52,17 @@ def rustc_version():
 def llvm_profdata():
     """The llvm-profdata that reads what this rustc's LLVM writes."""
     major = re.search(r"LLVM version: (\d+)", rustc_version()).group(1)
-    for tool in (f"llvm-profdata-{major}", "llvm-profdata"):
-        path = shutil.which(tool)
-        if path:
+    sysroot = subprocess.run(["rustc", "--print", "sysroot"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    # Where rustup's llvm-tools component puts it, then the PATH.
+    candidates = [os.path.join(sysroot, "lib", "rustlib", host(), "bin", "llvm-profdata")]
+    candidates += [shutil.which(tool) for tool in (f"llvm-profdata-{major}", "llvm-profdata")]
+    for path in candidates:
+        if path and os.access(path, os.X_OK):
             out = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
             if re.search(rf"LLVM version {major}\.", out):
                 return path
-    sys.exit(f"no llvm-profdata of LLVM {major} (rustc's): apt-get install llvm-{major}")
+    sys.exit(f"no llvm-profdata of LLVM {major} (rustc's): rustup component add llvm-tools")
 
 
 def host():
