@@ -71,14 +71,15 @@ impl PathPattern {
                     return Err(format!("`{source}`: a path pattern has no query or fragment"));
                 }
                 // Normalized as request paths are, so `/v1/%6Frders` is
-                // the route of `/v1/orders` rather than of nothing.
-                let part = decode_unreserved(part);
+                // the route of `/v1/orders` rather than of nothing, and
+                // written as a request must send it: `/é` is `/%C3%A9`.
+                let part = encode_outside_pchar(&decode_unreserved(part));
                 if matches!(&*part, "." | "..") {
                     return Err(format!(
                         "`{source}`: a path pattern has no `.` or `..` segment (request paths are matched with theirs resolved)"
                     ));
                 }
-                Segment::Literal(part.into_owned())
+                Segment::Literal(part)
             };
             segments.push(segment);
         }
@@ -126,6 +127,27 @@ impl PathPattern {
         }
         remaining.is_none().then_some(found)
     }
+}
+
+/// `segment` with every byte a request target cannot hold as it is
+/// percent-encoded, in upper case (RFC 3986 §3.3 `pchar`: unreserved
+/// characters, sub-delimiters, `:`, `@` and escapes stay): the spelling a
+/// request has once [`decode_unreserved`] has read it.
+fn encode_outside_pchar(segment: &str) -> String {
+    let bytes = segment.as_bytes();
+    let mut out = String::with_capacity(segment.len());
+    for (i, &b) in bytes.iter().enumerate() {
+        let escape = b == b'%'
+            && bytes
+                .get(i + 1..i + 3)
+                .is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit));
+        if escape || b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// `path` with its percent-encoded unreserved characters (letters,
@@ -209,6 +231,22 @@ mod tests {
             Some(resolved) => std::borrow::Cow::Owned(resolved),
             None => decoded,
         }
+    }
+
+    /// A literal written as text matches the request that sends it
+    /// percent-encoded, as any client must (`/é` is `/%C3%A9` or `/%c3%a9`).
+    #[test]
+    fn literals_match_the_encoded_requests_that_spell_them() {
+        for (pattern, request) in [
+            ("/caf%C3%A9s/é", "/caf%c3%a9s/%C3%A9"),
+            ("/a b/100%", "/a%20b/100%25"),
+            ("/x/%2f", "/x/%2F"),
+            ("/sub-delims/!$&'()*+,;=:@", "/sub-delims/!$&'()*+,;=:@"),
+        ] {
+            let pattern = PathPattern::parse(pattern).unwrap();
+            assert!(pattern.matches(&normalize(request)).is_some(), "{request}");
+        }
+        assert!(PathPattern::parse("/é").unwrap().matches(&normalize("/e")).is_none());
     }
 
     #[test]
