@@ -570,12 +570,8 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         routes.push(Route {
             name,
             path,
-            host: r.host.as_ref().and_then(|h| match route_host(h) {
-                Ok(host) => Some(host),
-                Err(problem) => {
-                    c.problem(&format!("{at}.host"), problem);
-                    None
-                }
+            host: c.field(&format!("{at}.host"), r.host.as_ref(), None, |h| {
+                route_host(h).map(Some)
             }),
             upstream,
             policy,

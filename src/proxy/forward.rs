@@ -70,13 +70,18 @@ pub fn drop_named<'a>(headers: &mut HeaderMap, values: impl Iterator<Item = &'a 
 /// §8.3.1), and the `Cookie` fields it may send one per cookie joined.
 pub fn h2_as_h1(uri: &Uri, headers: &mut HeaderMap) {
     if !headers.contains_key(header::HOST)
-        && let Some(authority) = uri.authority()
-        // host[:port]: never a user or password the target named.
-        && let Ok(host) = HeaderValue::from_str(authority.as_str().rsplit('@').next().unwrap_or_default())
+        && let Some(host) = authority_host(uri)
     {
         headers.insert(header::HOST, host);
     }
     join_cookies(headers);
+}
+
+/// The target's own `host[:port]` as a `Host` value, when it names one:
+/// never a user or password the target named.
+fn authority_host(uri: &Uri) -> Option<HeaderValue> {
+    let authority = uri.authority()?.as_str();
+    HeaderValue::from_str(authority.rsplit('@').next().unwrap_or_default()).ok()
 }
 
 /// Joins the `Cookie` fields an HTTP/2 client may send one per cookie into
@@ -117,12 +122,7 @@ pub fn prepare(request: &mut Request<ClientBody>, upstream: &Uri, peer: Peer) {
     // own authority when it has one (absolute-form, HTTP/2's :authority),
     // which wins over Host (RFC 9112 §3.2.2), else Host.
     let sent_host = request.headers_mut().remove(header::HOST);
-    let original_host = request
-        .uri()
-        .authority()
-        // host[:port]: never a user or password the target named.
-        .and_then(|a| HeaderValue::from_str(a.as_str().rsplit('@').next().unwrap_or_default()).ok())
-        .or(sent_host);
+    let original_host = authority_host(request.uri()).or(sent_host);
     let path = request
         .uri()
         .path_and_query()
