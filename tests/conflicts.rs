@@ -106,6 +106,48 @@ async fn a_key_reused_for_another_request_gets_422() {
     assert_eq!(upstream.hits(), 1);
 }
 
+/// Two routes told apart only by `host` front two backends: the same key
+/// and body sent to the second is another request (422), never the first
+/// backend's answer replayed; a route without `host` keeps one record
+/// whatever name a client reaches it by.
+#[tokio::test]
+async fn a_key_reused_on_another_hosts_route_gets_422_not_its_answer() {
+    let first = Upstream::start(|_, _| Reply::status(201, "first backend")).await;
+    let second = Upstream::start(|_, _| Reply::status(201, "second backend")).await;
+    let proxy = Proxy::start(
+        &second.url(),
+        &format!(
+            "[[route]]\nname = \"a\"\npath = \"/v1/orders\"\nhost = \"a.example\"\nupstream = \"{}\"\n\
+             [[route]]\nname = \"any\"\npath = \"/v1/orders\"\n",
+            first.url()
+        ),
+    )
+    .await;
+    let client = TestClient::default();
+    let url = proxy.url("/v1/orders");
+    let post = |host: &'static str, key: &'static str| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let headers = [
+                ("host", host),
+                ("idempotency-key", key),
+                ("content-type", "application/json"),
+            ];
+            client.send("POST", &url, &headers, "{}").await
+        }
+    };
+    assert_eq!(post("a.example", "k").await.text(), "first backend");
+    let other = post("b.example", "k").await;
+    assert_eq!(other.problem(), "key-reused", "{}", other.text());
+    assert!(post("A.Example.", "k").await.replayed());
+    assert_eq!((first.hits(), second.hits()), (1, 0));
+    // The host-less route: one record, whichever name reached it.
+    assert_eq!(post("b.example", "m").await.text(), "second backend");
+    let again = post("c.example", "m").await;
+    assert!(again.replayed(), "{}", again.text());
+    assert_eq!((first.hits(), second.hits()), (1, 1));
+}
+
 /// A JSON body whose object names a member twice is not canonicalized
 /// (which member a backend reads is its own choice): it is fingerprinted
 /// by its bytes, so it never passes for the body with one of the two.

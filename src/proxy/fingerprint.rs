@@ -1,5 +1,6 @@
 //! Step 3: the request fingerprint, SHA-256 over the method, path, query,
-//! the configured headers and the body as configured.
+//! the route's host when it names one, the configured headers and the body
+//! as configured.
 
 use bytes::Bytes;
 use http::request::Parts;
@@ -17,12 +18,31 @@ fn field(hasher: &mut Sha256, bytes: &[u8]) {
 
 /// Fingerprints a buffered request. `json` is the body already parsed, when
 /// it is JSON; a body that is not JSON is fingerprinted by its raw bytes.
-pub fn fingerprint(policy: &FingerprintPolicy, parts: &Parts, body: &Bytes, json: Option<&Value>) -> Fingerprint {
+///
+/// `host` is the matched route's own `host`, if it has one: records are kept
+/// across routes, so without it the same key and body sent to two routes
+/// told apart only by host (two backends) would replay the first one's
+/// answer to the second. A route without `host` leaves it out, so every name
+/// a client reaches it by shares one record, and its fingerprints are those
+/// of earlier versions.
+pub fn fingerprint(
+    policy: &FingerprintPolicy,
+    host: Option<&str>,
+    parts: &Parts,
+    body: &Bytes,
+    json: Option<&Value>,
+) -> Fingerprint {
     let mut hasher = Sha256::new();
     hasher.update(b"idemgate-fingerprint-v1");
     field(&mut hasher, parts.method.as_str().as_bytes());
     field(&mut hasher, parts.uri.path().as_bytes());
     field(&mut hasher, parts.uri.query().unwrap_or("").as_bytes());
+    if let Some(host) = host {
+        // Tagged apart from a header name, whose field is length-first, and
+        // from the body's `none`, `json` or `raw`.
+        hasher.update(b"\xfehost");
+        field(&mut hasher, host.as_bytes());
+    }
     for name in &policy.headers {
         field(&mut hasher, name.as_str().as_bytes());
         for value in parts.headers.get_all(name) {

@@ -338,7 +338,13 @@ impl Gateway {
         };
 
         // 4. Fingerprint and record key.
-        let fingerprint = fingerprint::fingerprint(&policy.fingerprint, &parts, &body, json.as_ref());
+        let fingerprint = fingerprint::fingerprint(
+            &policy.fingerprint,
+            live.route.host.as_deref(),
+            &parts,
+            &body,
+            json.as_ref(),
+        );
         let record_key = key::record_key(&policy.scope, &parts.headers, &key);
         if let Some(span) = telemetry::request_span() {
             span.record("key", record_key.tag().as_str());

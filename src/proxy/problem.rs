@@ -112,7 +112,7 @@ impl Problem {
             Problem::KeyMissing(d) | Problem::KeyInvalid(d) | Problem::BadRequest(d) => d.clone(),
             Problem::UpstreamUnavailable(d) => d.clone(),
             Problem::KeyReused => {
-                "this key was first used with a different request (method, path, query, headers or body); use a new key"
+                "this key was first used with a different request (method, path, query, host, headers or body); use a new key"
                     .to_string()
             }
             Problem::RequestInFlight => {
