@@ -265,6 +265,25 @@ async fn operators_look_up_and_purge_records_behind_a_token() {
         client.send("GET", &other_scope, &auth, "").await.status,
         StatusCode::NOT_FOUND
     );
+    // HEAD answers as GET, without the body; another method is 405 with
+    // its Allow list, before the token or the query is looked at.
+    let head = client.send("HEAD", &admin, &auth, "").await;
+    assert_eq!(head.status, StatusCode::OK);
+    assert_eq!(head.header("content-type"), Some("application/json"));
+    assert!(head.body.is_empty());
+    assert_eq!(
+        client.send("HEAD", &other_scope, &auth, "").await.status,
+        StatusCode::NOT_FOUND
+    );
+    let put = client.send("PUT", &admin, &[], "").await;
+    assert_eq!(put.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(put.header("allow"), Some("GET, HEAD, DELETE"));
+    assert_eq!(put.problem(), "method-not-allowed");
+    let post = client
+        .send("POST", &nowhere.replace("nowhere", "metrics"), &[], "")
+        .await;
+    assert_eq!(post.header("allow"), Some("GET, HEAD"));
+    assert_eq!(post.problem(), "method-not-allowed");
 
     assert_eq!(client.send("DELETE", &admin, &auth, "").await.status, StatusCode::OK);
     assert_eq!(

@@ -1,7 +1,8 @@
 //! The admin listener: `GET /healthz` (process alive), `GET /readyz` (store
 //! reachable), `GET /metrics` (Prometheus text), and `GET` / `DELETE`
 //! `/records?route=R&key=K[&scope=V...]` to look up or purge one record
-//! (behind `server.admin_token` when set). A record is shown by its state,
+//! (behind `server.admin_token` when set). `HEAD` answers as `GET` does,
+//! without the body; another method is 405 with `Allow`. A record is shown by its state,
 //! time left, status and body size: never its body or headers.
 
 use std::convert::Infallible;
@@ -78,6 +79,19 @@ fn problem(status: StatusCode, slug: &str, detail: &str) -> Response<ResponseBod
     crate::proxy::problem::document(status, slug, status.canonical_reason().unwrap_or(""), detail)
 }
 
+/// 405, with the `Allow` list RFC 9110 §15.5.6 asks of it.
+fn not_allowed(allow: &'static str) -> Response<ResponseBody> {
+    let mut response = problem(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method-not-allowed",
+        &format!("this page answers {allow}"),
+    );
+    response
+        .headers_mut()
+        .insert(http::header::ALLOW, HeaderValue::from_static(allow));
+    response
+}
+
 fn store_unavailable(error: &crate::store::StoreError) -> Response<ResponseBody> {
     let detail = format!(
         "the idempotency store cannot be reached: {}",
@@ -91,7 +105,7 @@ async fn answer(request: Request<Incoming>, gateway: &Gateway, metrics: &Metrics
         return records(&request, gateway).await;
     }
     if request.method() != Method::GET && request.method() != Method::HEAD {
-        return problem(StatusCode::METHOD_NOT_ALLOWED, "method-not-allowed", "GET only");
+        return not_allowed("GET, HEAD");
     }
     match request.uri().path() {
         "/healthz" => text(StatusCode::OK, PLAIN, "ok\n"),
@@ -116,8 +130,14 @@ fn json(status: StatusCode, value: serde_json::Value) -> Response<ResponseBody> 
     text(status, "application/json", format!("{value}\n"))
 }
 
-/// `GET` (look up) or `DELETE` (purge) `/records?route=R&key=K&scope=V...`.
+/// `GET` or `HEAD` (look up) or `DELETE` (purge) `/records?route=R&key=K&scope=V...`.
 async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<ResponseBody> {
+    let purge = match *request.method() {
+        // HEAD is GET without the body, which hyper leaves out.
+        Method::GET | Method::HEAD => false,
+        Method::DELETE => true,
+        _ => return not_allowed("GET, HEAD, DELETE"),
+    };
     if let Some(token) = &gateway.config().server.admin_token {
         let expected = format!("Bearer {token}");
         let given = request
@@ -159,8 +179,8 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
         return problem(StatusCode::NOT_FOUND, "not-found", "no route has this name");
     };
     let store = gateway.store();
-    match *request.method() {
-        Method::GET => match store.inspect(&record_key).await {
+    if !purge {
+        return match store.inspect(&record_key).await {
             Ok(None) => json(
                 StatusCode::NOT_FOUND,
                 serde_json::json!({ "record": record_key.tag().as_str(), "state": "absent" }),
@@ -187,21 +207,20 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
                 )
             }
             Err(error) => store_unavailable(&error),
-        },
-        Method::DELETE => match store.purge(&record_key).await {
-            Ok(purged) => {
-                if purged {
-                    tracing::info!(route = %route, key = %record_key.tag(), "record purged by an operator");
-                }
-                let status = if purged { StatusCode::OK } else { StatusCode::NOT_FOUND };
-                json(
-                    status,
-                    serde_json::json!({ "record": record_key.tag().as_str(), "purged": purged }),
-                )
+        };
+    }
+    match store.purge(&record_key).await {
+        Ok(purged) => {
+            if purged {
+                tracing::info!(route = %route, key = %record_key.tag(), "record purged by an operator");
             }
-            Err(error) => store_unavailable(&error),
-        },
-        _ => problem(StatusCode::METHOD_NOT_ALLOWED, "method-not-allowed", "GET or DELETE"),
+            let status = if purged { StatusCode::OK } else { StatusCode::NOT_FOUND };
+            json(
+                status,
+                serde_json::json!({ "record": record_key.tag().as_str(), "purged": purged }),
+            )
+        }
+        Err(error) => store_unavailable(&error),
     }
 }
 
