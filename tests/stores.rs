@@ -234,6 +234,43 @@ async fn a_redis_outage_is_503_at_once_and_recovers_by_itself() {
     }
 }
 
+/// A waiter that Redis's loss wakes claims again and meets the store down:
+/// it was told another request holds the key, so even with `on_error =
+/// "pass"` it answers 409 rather than forward a certain duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_claim_again_fails_is_409_even_when_store_errors_pass() {
+    let mut redis = RedisServer::start();
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_secs(2))).await;
+    let proxy = Proxy::start_with_store(
+        &upstream.url(),
+        &format!("[store]\non_error = \"pass\"\n[defaults]\non_in_flight = \"wait\"\n{ROUTE}"),
+        redis_store(&redis.url()),
+    )
+    .await;
+    let client = TestClient::default();
+    let post = || {
+        let (client, url) = (client.clone(), proxy.url("/v1/orders"));
+        tokio::spawn(async move { client.post(&url, "w", "{}").await })
+    };
+    let first = post();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while upstream.hits() == 0 {
+        assert!(Instant::now() < deadline, "the first request never arrived");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let waiter = post();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.kill();
+    let waiter = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the waiter was not woken")
+        .unwrap();
+    assert_eq!(waiter.status, StatusCode::CONFLICT, "{}", waiter.text());
+    assert_eq!(waiter.problem(), "request-in-flight");
+    assert_eq!(upstream.hits(), 1, "the waiter was forwarded while the first ran");
+    let _ = first.await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_killed_mid_request_holds_the_key_until_its_lease_runs_out() {
     let redis = RedisServer::start();

@@ -425,7 +425,15 @@ impl Gateway {
                 }
                 Err(error) => {
                     telemetry::warn_throttled!(error, "store claim failed", route = %live.route.name);
-                    Problem::StoreUnavailable
+                    if wait_until.is_some() {
+                        // Claiming again after a wait: the store had said
+                        // another request holds the key, so, as when the
+                        // wait itself fails, do not forward even with
+                        // on_error = "pass".
+                        Problem::RequestInFlight
+                    } else {
+                        Problem::StoreUnavailable
+                    }
                 }
             };
             return self
