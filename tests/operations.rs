@@ -54,6 +54,55 @@ async fn request_logs_name_route_outcome_and_key_hash_but_never_secrets() {
     assert!(text.contains("key="), "{text}");
 }
 
+/// The binary's own logs, as a service manager or a file receives them:
+/// text without terminal colour codes, or JSON lines; request lines at
+/// DEBUG; no key, token or body in either.
+#[tokio::test]
+async fn the_binary_logs_plain_text_or_json_lines_and_never_secrets() {
+    let upstream = Upstream::created().await;
+    for format in ["text", "json"] {
+        let env = [("RUST_LOG", "debug"), ("IDEMGATE_LOG_FORMAT", format), ("NO_COLOR", "")];
+        let gate = Binary::start_with_env(&upstream.url(), support::ORDERS, &env).await;
+        let client = TestClient::default();
+        let headers = [
+            ("idempotency-key", "key-SECRET-4f1d9a"),
+            ("authorization", "Bearer TOKEN-7c2e55"),
+        ];
+        for _ in 0..2 {
+            let answer = client
+                .send(
+                    "POST",
+                    &gate.url("/v1/orders"),
+                    &headers,
+                    r#"{"card":"BODY-SECRET-0042"}"#,
+                )
+                .await;
+            assert!(answer.status.is_success(), "{}", answer.text());
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !gate.log().contains("replayed") {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no request line:\n{}",
+                gate.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let log = gate.log();
+        assert!(log.contains("idemgate serving"), "{log}");
+        assert!(!log.contains('\x1b'), "terminal escapes in a {format} log:\n{log:?}");
+        for secret in ["SECRET", "TOKEN-7c2e55"] {
+            assert!(!log.contains(secret), "`{secret}` leaked into the {format} log:\n{log}");
+        }
+        if format == "json" {
+            for line in log.lines() {
+                let line: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+                assert!(line["level"].is_string(), "{line}");
+            }
+        }
+    }
+}
+
 #[tokio::test]
 async fn shadow_mode_logs_what_enforce_would_have_done_with_the_key_hashed() {
     let logs = captured();

@@ -101,12 +101,17 @@ macro_rules! warn_throttled {
 pub(crate) use warn_throttled;
 
 /// Installs the global subscriber: `RUST_LOG` filters (default `info`),
-/// `IDEMGATE_LOG_FORMAT=json` selects JSON lines instead of text.
+/// `IDEMGATE_LOG_FORMAT=json` selects JSON lines instead of text. Text is
+/// coloured only on a terminal (and without `NO_COLOR`): a service
+/// manager, a container runtime or a file gets plain lines.
 pub fn init() {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(std::io::stderr);
     let json = std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
     let _ = if json {

@@ -436,11 +436,18 @@ pub struct Binary {
     pub admin: SocketAddr,
     child: std::process::Child,
     _config: tempfile::NamedTempFile,
+    log: tempfile::NamedTempFile,
 }
 
 impl Binary {
     /// Runs `idemgate --config` with `toml` (listen port filled in) in front of `upstream`.
     pub async fn start(upstream: &str, toml: &str) -> Binary {
+        Binary::start_with_env(upstream, toml, &[]).await
+    }
+
+    /// As [`Binary::start`], with these environment variables set; its
+    /// standard error goes to a file ([`Binary::log`]).
+    pub async fn start_with_env(upstream: &str, toml: &str, env: &[(&str, &str)]) -> Binary {
         let free = || {
             std::net::TcpListener::bind("127.0.0.1:0")
                 .unwrap()
@@ -457,11 +464,13 @@ impl Binary {
             .replace("listen = \"127.0.0.1:0\"", &format!("listen = \"127.0.0.1:{port}\""));
         let mut config = tempfile::NamedTempFile::new().unwrap();
         std::io::Write::write_all(&mut config, text.as_bytes()).unwrap();
+        let log = tempfile::NamedTempFile::new().unwrap();
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
             .arg("--config")
             .arg(config.path())
+            .envs(env.iter().copied())
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(log.reopen().unwrap())
             .spawn()
             .unwrap();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
@@ -475,7 +484,13 @@ impl Binary {
             admin: format!("127.0.0.1:{admin_port}").parse().unwrap(),
             child,
             _config: config,
+            log,
         }
+    }
+
+    /// What the process wrote to standard error so far.
+    pub fn log(&self) -> String {
+        String::from_utf8_lossy(&std::fs::read(self.log.path()).unwrap()).into_owned()
     }
 
     pub fn url(&self, path: &str) -> String {
