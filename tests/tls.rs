@@ -156,12 +156,32 @@ async fn an_https_upstream_is_verified_against_upstream_ca() {
 async fn bad_or_mismatched_tls_files_are_refused_with_the_file_named() {
     let pki = Pki::new();
     let cases = [
-        (pki.path("missing.pem"), pki.path("key.pem"), "missing.pem"),
-        (pki.path("garbage.pem"), pki.path("key.pem"), "garbage.pem"),
-        (pki.path("cert.pem"), pki.path("garbage.pem"), "garbage.pem"),
-        (pki.path("cert.pem"), pki.path("other-key.pem"), "does not fit"),
+        (
+            pki.path("missing.pem"),
+            pki.path("key.pem"),
+            "server.tls.cert",
+            "missing.pem",
+        ),
+        (
+            pki.path("garbage.pem"),
+            pki.path("key.pem"),
+            "server.tls.cert",
+            "garbage.pem",
+        ),
+        (
+            pki.path("cert.pem"),
+            pki.path("garbage.pem"),
+            "server.tls.key",
+            "garbage.pem",
+        ),
+        (
+            pki.path("cert.pem"),
+            pki.path("other-key.pem"),
+            "server.tls.key",
+            "does not fit",
+        ),
     ];
-    for (cert, key, expected) in cases {
+    for (cert, key, field, expected) in cases {
         let text = support::with_basics(
             "http://127.0.0.1:1",
             &format!(
@@ -176,6 +196,22 @@ async fn bad_or_mismatched_tls_files_are_refused_with_the_file_named() {
             Ok(_) => panic!("{cert:?} / {key:?} was accepted"),
             Err(error) => format!("{:#}", anyhow::Error::new(error)),
         };
-        assert!(error.contains(expected), "{expected}: {error}");
+        assert!(
+            error.contains(expected) && error.contains(field),
+            "{field}, {expected}: {error}"
+        );
+    }
+    // The upstream's CA file, named by its field too.
+    for ca in ["missing.pem", "garbage.pem"] {
+        let text = support::with_basics("http://127.0.0.1:1", "").replace(
+            "[upstream]",
+            &format!("[upstream]\nca = \"{}\"", toml_path(&pki.path(ca))),
+        );
+        let config = Config::parse(&text, "tls.toml").unwrap();
+        let error = format!(
+            "{:#}",
+            anyhow::Error::new(idemgate::server::check(&config).unwrap_err())
+        );
+        assert!(error.contains("upstream.ca") && error.contains(ca), "{error}");
     }
 }

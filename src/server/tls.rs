@@ -13,28 +13,29 @@ use crate::config::TlsConfig;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    #[error("cannot read certificates from {path}")]
+    #[error("{field}: cannot read certificates from {path}")]
     Certificates {
+        field: &'static str,
         path: PathBuf,
         #[source]
         source: rustls_pki_types::pem::Error,
     },
-    #[error("{path} holds no certificate")]
-    NoCertificate { path: PathBuf },
-    #[error("cannot read a private key from {path}")]
+    #[error("{field}: {path} holds no certificate")]
+    NoCertificate { field: &'static str, path: PathBuf },
+    #[error("server.tls.key: cannot read a private key from {path}")]
     Key {
         path: PathBuf,
         #[source]
         source: rustls_pki_types::pem::Error,
     },
-    #[error("the key {key} does not fit the certificate {cert}")]
+    #[error("server.tls.key: the key {key} does not fit the certificate {cert}")]
     Mismatch {
         cert: PathBuf,
         key: PathBuf,
         #[source]
         source: rustls::Error,
     },
-    #[error("a certificate in {path} is not a valid trust root")]
+    #[error("upstream.ca: a certificate in {path} is not a valid trust root")]
     Root {
         path: PathBuf,
         #[source]
@@ -42,15 +43,19 @@ pub enum TlsError {
     },
 }
 
-fn certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+/// The certificates of the PEM file `path`, which the configuration's
+/// `field` names.
+fn certificates(field: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let certs = CertificateDer::pem_file_iter(path)
         .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
         .map_err(|source| TlsError::Certificates {
+            field,
             path: path.to_path_buf(),
             source,
         })?;
     if certs.is_empty() {
         return Err(TlsError::NoCertificate {
+            field,
             path: path.to_path_buf(),
         });
     }
@@ -60,7 +65,7 @@ fn certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
 /// The listener's TLS: the certificate chain and key of `config`, HTTP/2
 /// and HTTP/1.1 offered by ALPN.
 pub fn acceptor(config: &TlsConfig) -> Result<TlsAcceptor, TlsError> {
-    let chain = certificates(&config.cert)?;
+    let chain = certificates("server.tls.cert", &config.cert)?;
     let key = PrivateKeyDer::from_pem_file(&config.key).map_err(|source| TlsError::Key {
         path: config.key.clone(),
         source,
@@ -86,7 +91,7 @@ pub fn client_config(ca: Option<&Path>) -> Result<rustls::ClientConfig, TlsError
     let mut roots = rustls::RootCertStore::empty();
     roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
     if let Some(path) = ca {
-        for cert in certificates(path)? {
+        for cert in certificates("upstream.ca", path)? {
             roots.add(cert).map_err(|source| TlsError::Root {
                 path: path.to_path_buf(),
                 source,
