@@ -149,11 +149,6 @@ fn serve(path: &Path) -> anyhow::Result<()> {
     idemgate::telemetry::init();
     server::check(&config).with_context(|| path.display().to_string())?;
     let workers = config.server.workers;
-    let listeners = server::bind_listeners(config.server.listen, workers)?;
-    let mut admin = match config.server.admin_listen {
-        Some(addr) => Some(server::bind_listeners(addr, 1)?.remove(0)),
-        None => None,
-    };
     // Runs the store's background tasks (expiry sweeps, Redis subscriptions)
     // and the signal handling. Thread names fit the 15 bytes Linux keeps
     // (what `top -H`, `ps -L` and perf show): "idemgate-worker-0" would be cut
@@ -164,13 +159,24 @@ fn serve(path: &Path) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    let (hangups, store) = {
+    let (hangups, signals, store) = {
         let _entered = background.enter();
-        // SIGHUP is taken from here on: one that comes while the store
-        // opens (replaying its log can take a while) or the workers start
-        // is applied once they run, instead of ending the process, which
-        // is what SIGHUP does by default.
-        (hangups()?, StoreHandle::open(&config.store)?)
+        // SIGHUP, SIGTERM and SIGINT are taken from here on: one that comes
+        // while the store opens (replaying its log can take a while) or the
+        // workers start is acted on once they run (a reload, or a drain
+        // that begins at once), instead of ending the process mid-start,
+        // which is what each does by default.
+        let (hangups, signals) = (hangups()?, Signals::new());
+        // The store before the ports: one that cannot open (a file another
+        // idemgate holds, a directory it may not write) is named in the
+        // error before anything listens.
+        let store = StoreHandle::open(&config.store).with_context(|| path.display().to_string())?;
+        (hangups, signals, store)
+    };
+    let listeners = server::bind_listeners(config.server.listen, workers)?;
+    let mut admin = match config.server.admin_listen {
+        Some(addr) => Some(server::bind_listeners(addr, 1)?.remove(0)),
+        None => None,
     };
     let metrics = Arc::new(Metrics::default());
     let (stop, stopped) = tokio::sync::watch::channel(false);
@@ -207,7 +213,7 @@ fn serve(path: &Path) -> anyhow::Result<()> {
     tracing::info!(workers, "idemgate serving");
     background.block_on(async {
         reload_on_sighup(path.to_path_buf(), reloaders, hangups);
-        shutdown_signal().await;
+        shutdown_signal(signals).await;
         anyhow::Ok(())
     })?;
     let _ = stop.send(true);
@@ -267,8 +273,7 @@ fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
 /// Resolves on SIGTERM or Ctrl-C. A second one, during the drain, ends the
 /// process at once (exit status 1): exchanges still running keep their
 /// claims until their leases end, as after a crash.
-async fn shutdown_signal() {
-    let mut signals = Signals::new();
+async fn shutdown_signal(mut signals: Signals) {
     signals.recv().await;
     tokio::spawn(async move {
         signals.recv().await;

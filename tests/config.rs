@@ -459,6 +459,21 @@ fn settings_that_could_never_work_are_refused_by_field() {
         route("ttl = \"100y\"").unwrap().routes[0].policy.ttl,
         Duration::from_secs(3_155_760_000)
     );
+
+    // The store: a directory as its file; a size that would only fail once
+    // the backend is switched to memory.
+    let store = |fields: &str| {
+        Config::parse(
+            &format!("[upstream]\nurl = \"http://h:1\"\n[store]\n{fields}\n"),
+            "x.toml",
+        )
+        .map_err(|e| e.to_string())
+    };
+    let dir = std::env::temp_dir();
+    let error = store(&format!("path = \"{}\"", dir.display())).unwrap_err();
+    assert!(error.contains("store.path") && error.contains("directory"), "{error}");
+    let error = store("max_memory = \"256MB\"").unwrap_err();
+    assert!(error.contains("store.max_memory"), "{error}");
 }
 
 #[test]
@@ -534,6 +549,32 @@ fn check_reads_the_certificate_files_as_serve_does() {
             "{command}: {stderr}"
         );
     }
+}
+
+/// A store file that cannot be opened stops `serve` with the file and the
+/// field named, before it binds its ports (here one already taken).
+#[test]
+fn a_store_that_cannot_open_is_named_before_any_port_is_bound() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    // A file that is not a store's.
+    let file = temp_file("not-a-store.redb", &"not a redb file\n".repeat(100));
+    let path = temp_file(
+        "store.toml",
+        &format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"\"\n[upstream]\nurl = \"http://127.0.0.1:1\"\n\
+             [store]\nbackend = \"embedded\"\npath = \"{}\"\n",
+            file.display()
+        ),
+    );
+    let output = idemgate(&["serve", "--config", path.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("store.toml: store.path") && stderr.contains(&file.display().to_string()),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("cannot listen"), "{stderr}");
 }
 
 #[test]

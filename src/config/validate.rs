@@ -444,10 +444,11 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
 
     let st = &raw.store;
     let backend_name = st.backend.as_deref().unwrap_or("embedded");
+    // Read whatever the backend, so a bad size is found before the
+    // backend is switched to memory.
+    let max_memory = c.size("store.max_memory", st.max_memory.as_ref(), 256 << 20);
     let backend = match backend_name {
-        "memory" => StoreBackend::Memory {
-            max_memory: c.size("store.max_memory", st.max_memory.as_ref(), 256 << 20),
-        },
+        "memory" => StoreBackend::Memory { max_memory },
         "embedded" => StoreBackend::Embedded {
             path: PathBuf::from(st.path.as_deref().unwrap_or("idemgate.redb")),
         },
@@ -498,6 +499,8 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
                 c.problem("store.path", "must name a file");
             } else if let Some(dir) = parent.filter(|dir| !dir.is_dir()) {
                 c.problem("store.path", format!("its directory {} does not exist", dir.display()));
+            } else if path.is_dir() {
+                c.problem("store.path", "is a directory: name a file (in it, say)");
             }
         }
         StoreBackend::Redis { url } if !url.is_empty() => redis_url(&mut c, "store.url", url),

@@ -508,10 +508,20 @@ impl StoreHandle {
                     source,
                 })?)
             }
-            StoreBackend::Redis { url } => Arc::new(RedisStore::single(url, config.timeout).map_err(OpenError::Redis)?),
-            StoreBackend::RedisCluster { urls } => {
-                Arc::new(RedisStore::cluster(urls, config.timeout).map_err(OpenError::Redis)?)
+            StoreBackend::Redis { url } => {
+                Arc::new(
+                    RedisStore::single(url, config.timeout).map_err(|source| OpenError::Redis {
+                        field: "store.url",
+                        source,
+                    })?,
+                )
             }
+            StoreBackend::RedisCluster { urls } => Arc::new(RedisStore::cluster(urls, config.timeout).map_err(
+                |source| OpenError::Redis {
+                    field: "store.urls",
+                    source,
+                },
+            )?),
         };
         Ok(StoreHandle::new(store, config.timeout))
     }
@@ -691,14 +701,19 @@ impl StoreHandle {
 
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    #[error("cannot open the embedded store file {path}")]
+    #[error("store.path: cannot open the embedded store file {path}")]
     Embedded {
         path: String,
         #[source]
         source: StoreError,
     },
-    #[error("cannot set up the Redis store")]
-    Redis(#[source] StoreError),
+    #[error("{field}: cannot set up the Redis store")]
+    Redis {
+        /// `store.url`, or `store.urls` for a Cluster.
+        field: &'static str,
+        #[source]
+        source: StoreError,
+    },
 }
 
 #[cfg(test)]
