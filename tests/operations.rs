@@ -244,10 +244,31 @@ async fn shutdown_drains_requests_and_exchanges_whose_clients_left() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     left.abort();
     let started = tokio::time::Instant::now();
-    proxy.stop().await;
+    let admin = proxy.admin.unwrap();
+    let stopping = tokio::spawn(proxy.stop());
+    // Through the drain the admin listener answers: alive, not ready.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let page = |page: &str| format!("http://{admin}/{page}");
+    assert_eq!(
+        client.send("GET", &page("healthz"), &[], "").await.status,
+        StatusCode::OK
+    );
+    let ready = client.send("GET", &page("readyz"), &[], "").await;
+    assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(ready.problem(), "draining");
+    assert_eq!(
+        client.send("GET", &page("metrics"), &[], "").await.status,
+        StatusCode::OK
+    );
+    stopping.await.unwrap();
     assert!(
         started.elapsed() >= Duration::from_millis(300),
         "stop did not wait for the drain"
+    );
+    // Once drained, it closes too.
+    assert!(
+        tokio::net::TcpStream::connect(admin).await.is_err(),
+        "admin still listening"
     );
     assert_eq!(waiting.await.unwrap().status, StatusCode::CREATED);
     assert_eq!(upstream.hits(), 2);
@@ -296,8 +317,13 @@ async fn operators_look_up_and_purge_records_behind_a_token() {
     let denied = client.send("GET", &admin, &[], "").await;
     assert_eq!(denied.status, StatusCode::UNAUTHORIZED);
     assert_eq!(denied.problem(), "unauthorized");
+    assert_eq!(
+        denied.header("www-authenticate"),
+        Some("Bearer realm=\"idemgate-admin\"")
+    );
     let nowhere = format!("http://{}/nowhere", proxy.admin.unwrap());
     assert_eq!(client.send("GET", &nowhere, &[], "").await.problem(), "not-found");
+    assert_eq!(client.send("POST", &nowhere, &[], "").await.problem(), "not-found");
     let wrong = client
         .send("GET", &admin, &[("authorization", "Bearer s3creT")], "")
         .await;
@@ -333,6 +359,11 @@ async fn operators_look_up_and_purge_records_behind_a_token() {
         .await;
     assert_eq!(post.header("allow"), Some("GET, HEAD"));
     assert_eq!(post.problem(), "method-not-allowed");
+    for page in ["healthz", "readyz", "metrics"] {
+        let head = client.send("HEAD", &nowhere.replace("nowhere", page), &[], "").await;
+        assert_eq!(head.status, StatusCode::OK, "{page}");
+        assert!(head.body.is_empty(), "{page}");
+    }
 
     assert_eq!(client.send("DELETE", &admin, &auth, "").await.status, StatusCode::OK);
     assert_eq!(

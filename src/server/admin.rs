@@ -1,9 +1,10 @@
 //! The admin listener: `GET /healthz` (process alive), `GET /readyz` (store
-//! reachable), `GET /metrics` (Prometheus text), and `GET` / `DELETE`
-//! `/records?route=R&key=K[&scope=V...]` to look up or purge one record
-//! (behind `server.admin_token` when set). `HEAD` answers as `GET` does,
-//! without the body; another method is 405 with `Allow`. A record is shown by its state,
-//! time left, status and body size: never its body or headers.
+//! reachable and not draining), `GET /metrics` (Prometheus text), and `GET`
+//! / `DELETE` `/records?route=R&key=K[&scope=V...]` to look up or purge one
+//! record (behind `server.admin_token` when set). `HEAD` answers as `GET`
+//! does, without the body; another method on a page is 405 with `Allow`. A
+//! record is shown by its state, time left, status and body size: never its
+//! body or headers. It serves through the drain and closes after it.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -25,16 +26,26 @@ use crate::proxy::{Gateway, ResponseBody};
 use crate::store::{Outcome, Record};
 use crate::telemetry::Metrics;
 
+/// Where the proxy is in its life, as the admin listener tells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Serving,
+    /// Shutting down: the proxy no longer accepts; `/readyz` answers 503.
+    Draining,
+    /// The drain is over: the admin listener closes too.
+    Stopped,
+}
+
 /// Serves HTTP/1.1 (what Prometheus, curl and health checks speak) until
-/// `stop`. A connection that sends no complete head within
-/// `header_read_timeout`, first or between requests, is closed, as the
-/// proxy's listener closes its idle connections.
+/// `phase` is [`Phase::Stopped`]. A connection that sends no complete head
+/// within `header_read_timeout`, first or between requests, is closed, as
+/// the proxy's listener closes its idle connections.
 pub async fn serve(
     listener: TcpListener,
     gateway: Arc<ArcSwap<Gateway>>,
     metrics: Arc<Metrics>,
     header_read_timeout: Duration,
-    mut stop: watch::Receiver<()>,
+    mut phase: watch::Receiver<Phase>,
 ) {
     let mut builder = http1::Builder::new();
     builder
@@ -51,15 +62,21 @@ pub async fn serve(
                     continue;
                 }
             },
-            _ = stop.changed() => return,
+            () = stopped(&mut phase) => return,
         };
-        let (gateway, metrics) = (gateway.clone(), metrics.clone());
+        let (gateway, metrics, phase) = (gateway.clone(), metrics.clone(), phase.clone());
         let service = service_fn(move |request| {
-            let (gateway, metrics) = (gateway.load_full(), metrics.clone());
-            async move { Ok::<_, Infallible>(answer(request, &gateway, &metrics).await) }
+            let (gateway, metrics, phase) = (gateway.load_full(), metrics.clone(), *phase.borrow());
+            async move { Ok::<_, Infallible>(answer(request, &gateway, &metrics, phase).await) }
         });
         tokio::spawn(builder.serve_connection(TokioIo::new(stream), service));
     }
+}
+
+/// Resolves once the phase is [`Phase::Stopped`], or the server that sets
+/// it is gone.
+async fn stopped(phase: &mut watch::Receiver<Phase>) {
+    let _ = phase.wait_for(|p| *p == Phase::Stopped).await;
 }
 
 fn text(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Response<ResponseBody> {
@@ -100,28 +117,41 @@ fn store_unavailable(error: &crate::store::StoreError) -> Response<ResponseBody>
     problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", &detail)
 }
 
-async fn answer(request: Request<Incoming>, gateway: &Gateway, metrics: &Metrics) -> Response<ResponseBody> {
+async fn answer(
+    request: Request<Incoming>,
+    gateway: &Gateway,
+    metrics: &Metrics,
+    phase: Phase,
+) -> Response<ResponseBody> {
     if request.uri().path() == "/records" {
         return records(&request, gateway).await;
+    }
+    let page = request.uri().path();
+    if !matches!(page, "/healthz" | "/readyz" | "/metrics") {
+        return problem(
+            StatusCode::NOT_FOUND,
+            "not-found",
+            "no such page: try /healthz, /readyz, /metrics or /records",
+        );
     }
     if request.method() != Method::GET && request.method() != Method::HEAD {
         return not_allowed("GET, HEAD");
     }
-    match request.uri().path() {
+    match page {
         "/healthz" => text(StatusCode::OK, PLAIN, "ok\n"),
+        "/readyz" if phase != Phase::Serving => problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining",
+            "idemgate is shutting down: it takes no new connections",
+        ),
         "/readyz" => match gateway.store().ping().await {
             Ok(()) => text(StatusCode::OK, PLAIN, "ready\n"),
             Err(error) => store_unavailable(&error),
         },
-        "/metrics" => text(
+        _ => text(
             StatusCode::OK,
             "text/plain; version=0.0.4; charset=utf-8",
             metrics.render(gateway.store().stored_bytes()),
-        ),
-        _ => problem(
-            StatusCode::NOT_FOUND,
-            "not-found",
-            "no such page: try /healthz, /readyz, /metrics or /records",
         ),
     }
 }
@@ -152,11 +182,17 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
                 .fold(0, |acc, (a, b)| acc | (a ^ b))
                 == 0;
         if !same {
-            return problem(
+            let mut response = problem(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
                 "/records needs the admin token: Authorization: Bearer <server.admin_token>",
             );
+            // RFC 9110 §15.5.2: a 401 says which scheme it wants.
+            response.headers_mut().insert(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"idemgate-admin\""),
+            );
+            return response;
         }
     }
     let (mut route, mut key, mut scope) = (None, None, Vec::new());

@@ -266,7 +266,7 @@ impl Server {
             exchanges,
         } = self;
         let config = gateway.load().config().clone();
-        let (stop_admin, admin_stopped) = tokio::sync::watch::channel(());
+        let (admin_phase, phase) = tokio::sync::watch::channel(admin::Phase::Serving);
         if let Some(admin) = admin {
             let header_read_timeout = config.server.header_read_timeout;
             tokio::spawn(admin::serve(
@@ -274,7 +274,7 @@ impl Server {
                 gateway.clone(),
                 metrics,
                 header_read_timeout,
-                admin_stopped,
+                phase,
             ));
         }
         // This worker's idle upstream connections, swept while it serves.
@@ -333,7 +333,9 @@ impl Server {
         }
 
         drop(listener);
-        let _ = stop_admin.send(());
+        // The admin listener stays through the drain, as Envoy's does:
+        // health checks and scrapes still answer, `/readyz` with 503.
+        let _ = admin_phase.send(admin::Phase::Draining);
         let grace = gateway.load().config().server.shutdown_grace;
         tracing::info!(?grace, "draining connections and claimed exchanges");
         // An exchange outlives its connection when the client hung up: wait
@@ -352,6 +354,7 @@ impl Server {
                 "shutdown grace ran out; exchanges still open keep their claims until their leases end"
             ),
         }
+        let _ = admin_phase.send(admin::Phase::Stopped);
     }
 }
 
