@@ -584,6 +584,7 @@ fn help_and_version() {
     let text = String::from_utf8_lossy(&help.stdout);
     assert!(text.contains("check") && text.contains("--config"), "{text}");
     let version = idemgate(&["--version"]);
+    assert!(version.status.success());
     assert!(String::from_utf8_lossy(&version.stdout).contains(env!("CARGO_PKG_VERSION")));
 }
 

@@ -517,17 +517,18 @@ async fn a_reload_names_the_fields_that_wait_for_a_restart() {
     proxy.reload(
         &upstream.url(),
         &format!(
-            "[server]\nheader_read_timeout = \"3s\"\n[store]\ntimeout = \"2s\"\n{}",
+            "[server]\nheader_read_timeout = \"3s\"\n[store]\ntimeout = \"2s\"\npath = \"elsewhere.redb\"\n{}",
             support::ORDERS
         ),
     );
     let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
-    for field in ["server.header_read_timeout", "store.timeout"] {
+    for field in ["server.header_read_timeout", "store.timeout", "store.path"] {
         assert!(
             text.lines().any(|l| l.contains(field) && l.contains("after a restart")),
             "no warning for {field} in:\n{text}"
         );
     }
+    assert!(!text.contains("store.backend"), "the backend did not change:\n{text}");
     proxy.stop().await;
 }
 

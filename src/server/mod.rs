@@ -25,7 +25,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::Config;
+use crate::config::{Config, StoreBackend};
 use crate::proxy::{BoxError, ClientBody, Gateway, Peer, ResponseBody};
 use crate::store::StoreHandle;
 use crate::telemetry::Metrics;
@@ -40,6 +40,20 @@ pub enum ServerError {
     },
     #[error("TLS setup failed")]
     Tls(#[from] tls::TlsError),
+}
+
+/// The field that tells `after`'s store from `before`'s: `store.backend`
+/// when the kind changed, else the kind's own field.
+fn store_field(before: &StoreBackend, after: &StoreBackend) -> Option<&'static str> {
+    use StoreBackend::*;
+    match (before, after) {
+        _ if before == after => None,
+        (Memory { .. }, Memory { .. }) => Some("store.max_memory"),
+        (Embedded { .. }, Embedded { .. }) => Some("store.path"),
+        (Redis { .. }, Redis { .. }) => Some("store.url"),
+        (RedisCluster { .. }, RedisCluster { .. }) => Some("store.urls"),
+        _ => Some("store.backend"),
+    }
 }
 
 /// Checks what a configuration needs from files (certificates, CA roots),
@@ -84,6 +98,7 @@ impl Reloader {
         admin_stays_guarded(&before.server, &config.server)?;
         // TLS on or off, or other certificate or key files.
         let tls_files = |c: &Config| c.server.tls.as_ref().map(|t| (t.cert.clone(), t.key.clone()));
+        let store_changed = store_field(&before.store.backend, &config.store.backend);
         let restart_only = [
             ("server.listen", config.server.listen != before.server.listen),
             (
@@ -96,7 +111,7 @@ impl Reloader {
                 config.server.header_read_timeout != before.server.header_read_timeout,
             ),
             ("server.workers", config.server.workers != before.server.workers),
-            ("store.backend", config.store.backend != before.store.backend),
+            (store_changed.unwrap_or("store.backend"), store_changed.is_some()),
             ("store.timeout", config.store.timeout != before.store.timeout),
         ];
         for (field, changed) in restart_only {
