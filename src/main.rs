@@ -161,17 +161,20 @@ fn serve(path: &Path) -> anyhow::Result<()> {
         .context("cannot start the async runtime")?;
     let (hangups, signals, store) = {
         let _entered = background.enter();
-        // SIGHUP, SIGTERM and SIGINT are taken from here on: one that comes
-        // while the store opens (replaying its log can take a while) or the
-        // workers start is acted on once they run (a reload, or a drain
-        // that begins at once), instead of ending the process mid-start,
-        // which is what each does by default.
-        let (hangups, signals) = (hangups()?, Signals::new());
+        // SIGHUP is taken from here on: one that comes while the store
+        // opens (replaying its log can take a while) or the workers start
+        // is applied once they run, instead of ending the process, which
+        // is what SIGHUP does by default.
+        let hangups = hangups()?;
         // The store before the ports: one that cannot open (a file another
         // idemgate holds, a directory it may not write) is named in the
         // error before anything listens.
         let store = StoreHandle::open(&config.store).with_context(|| path.display().to_string())?;
-        (hangups, signals, store)
+        // SIGTERM and SIGINT from here on: one that comes while the workers
+        // start begins the drain as soon as they run. Until now, with
+        // nothing claimed, it simply ends the process, however long the
+        // store took to open.
+        (hangups, Signals::new(), store)
     };
     let listeners = server::bind_listeners(config.server.listen, workers)?;
     let mut admin = match config.server.admin_listen {
@@ -180,11 +183,15 @@ fn serve(path: &Path) -> anyhow::Result<()> {
     };
     let metrics = Arc::new(Metrics::default());
     let (stop, stopped) = tokio::sync::watch::channel(false);
+    // The admin listener, served by the first worker, closes only once the
+    // other workers have drained too.
+    let (others_drained, drained) = tokio::sync::watch::channel(false);
     let mut threads = Vec::with_capacity(workers);
     let mut reloaders = Vec::with_capacity(workers);
     for (index, listener) in listeners.into_iter().enumerate() {
         let (config, store, metrics, admin) = (config.clone(), store.clone(), metrics.clone(), admin.take());
         let mut stopped = stopped.clone();
+        let mut drained = (index == 0).then(|| drained.clone());
         let (ready, started) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
             .name(format!("worker-{index}"))
@@ -199,11 +206,15 @@ fn serve(path: &Path) -> anyhow::Result<()> {
                         Err(error) => return drop(ready.send(Err(error.into()))),
                     };
                     let _ = ready.send(Ok(server.reloader()));
-                    server
-                        .run(async move {
-                            let _ = stopped.wait_for(|stop| *stop).await;
-                        })
-                        .await;
+                    let shutdown = async move {
+                        let _ = stopped.wait_for(|stop| *stop).await;
+                    };
+                    let others_drained = async move {
+                        if let Some(drained) = &mut drained {
+                            let _ = drained.wait_for(|done| *done).await;
+                        }
+                    };
+                    server.run_keeping_admin(shutdown, others_drained).await;
                 });
             })
             .context("cannot start a worker thread")?;
@@ -217,8 +228,14 @@ fn serve(path: &Path) -> anyhow::Result<()> {
         anyhow::Ok(())
     })?;
     let _ = stop.send(true);
+    let mut threads = threads.into_iter();
+    let first = threads.next();
     for thread in threads {
         let _ = thread.join();
+    }
+    let _ = others_drained.send(true);
+    if let Some(first) = first {
+        let _ = first.join();
     }
     Ok(())
 }

@@ -460,8 +460,7 @@ fn settings_that_could_never_work_are_refused_by_field() {
         Duration::from_secs(3_155_760_000)
     );
 
-    // The store: a directory as its file; a size that would only fail once
-    // the backend is switched to memory.
+    // The store: a directory as its file.
     let store = |fields: &str| {
         Config::parse(
             &format!("[upstream]\nurl = \"http://h:1\"\n[store]\n{fields}\n"),
@@ -472,8 +471,6 @@ fn settings_that_could_never_work_are_refused_by_field() {
     let dir = std::env::temp_dir();
     let error = store(&format!("path = \"{}\"", dir.display())).unwrap_err();
     assert!(error.contains("store.path") && error.contains("directory"), "{error}");
-    let error = store("max_memory = \"256MB\"").unwrap_err();
-    assert!(error.contains("store.max_memory"), "{error}");
 }
 
 #[test]

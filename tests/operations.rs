@@ -62,7 +62,8 @@ async fn the_binary_logs_plain_text_or_json_lines_and_never_secrets() {
     let upstream = Upstream::created().await;
     for format in ["text", "json"] {
         let env = [("RUST_LOG", "debug"), ("IDEMGATE_LOG_FORMAT", format), ("NO_COLOR", "")];
-        let gate = Binary::start_with_env(&upstream.url(), support::ORDERS, &env).await;
+        let config = format!("[store]\nbackend = \"memory\"\n{}", support::ORDERS);
+        let gate = Binary::start_with_env(&upstream.url(), &config, &env).await;
         let client = TestClient::default();
         let headers = [
             ("idempotency-key", "key-SECRET-4f1d9a"),
@@ -183,6 +184,43 @@ async fn a_reload_adds_a_route_and_leaves_requests_in_flight_alone() {
     );
 }
 
+/// With several workers, the admin listener (served by the first) answers
+/// until every worker has drained, not only its own: here one request
+/// held by whichever of eight workers took it.
+#[tokio::test]
+async fn the_admin_listener_answers_until_every_worker_has_drained() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(1500))).await;
+    let config = format!(
+        "[server]\nworkers = 8\n[store]\nbackend = \"memory\"\n{}",
+        support::ORDERS
+    );
+    let mut gate = Binary::start(&upstream.url(), &config).await;
+    let client = TestClient::default();
+    let slow = tokio::spawn({
+        let (client, url) = (client.clone(), gate.url("/v1/orders"));
+        async move { client.post(&url, "slow", "").await }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while upstream.hits() == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the request never arrived");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The answer comes 1.5 s after the request arrived: until well before
+    // then, the drain is still on.
+    let answered = tokio::time::Instant::now() + Duration::from_millis(1200);
+    gate.signal("TERM");
+    let healthz = format!("http://{}/healthz", gate.admin);
+    while tokio::time::Instant::now() < answered {
+        // A fresh connection each time: a pooled one could outlive the listener.
+        let answer = TestClient::default().send("GET", &healthz, &[], "").await;
+        assert_eq!(answer.status, StatusCode::OK);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);
+    let status = gate.wait(Duration::from_secs(10)).expect("SIGTERM stops the process");
+    assert!(status.success(), "{status:?}");
+}
+
 #[tokio::test]
 async fn sighup_reloads_the_file_and_keeps_the_old_one_when_the_new_is_broken() {
     let upstream = Upstream::created().await;
@@ -266,10 +304,11 @@ async fn shutdown_drains_requests_and_exchanges_whose_clients_left() {
         "stop did not wait for the drain"
     );
     // Once drained, it closes too.
-    assert!(
-        tokio::net::TcpStream::connect(admin).await.is_err(),
-        "admin still listening"
-    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    while tokio::net::TcpStream::connect(admin).await.is_ok() {
+        assert!(tokio::time::Instant::now() < deadline, "admin still listening");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert_eq!(waiting.await.unwrap().status, StatusCode::CREATED);
     assert_eq!(upstream.hits(), 2);
     // Both records were completed before the drain ended.

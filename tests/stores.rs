@@ -259,7 +259,13 @@ async fn a_waiter_whose_claim_again_fails_is_409_even_when_store_errors_pass() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let waiter = post();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Waiting: the record carries a waiter's one-byte mark (50 -> 51 bytes).
+    let marked = "for _, k in ipairs(redis.call('KEYS', '*')) do \
+                  if redis.call('STRLEN', k) == 51 then return 1 end end return 0";
+    while redis.cli(&["EVAL", marked, "0"]).as_deref().map(str::trim) != Some("1") {
+        assert!(Instant::now() < deadline, "the second request never waited");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     redis.kill();
     let waiter = tokio::time::timeout(Duration::from_secs(5), waiter)
         .await

@@ -444,11 +444,10 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
 
     let st = &raw.store;
     let backend_name = st.backend.as_deref().unwrap_or("embedded");
-    // Read whatever the backend, so a bad size is found before the
-    // backend is switched to memory.
-    let max_memory = c.size("store.max_memory", st.max_memory.as_ref(), 256 << 20);
     let backend = match backend_name {
-        "memory" => StoreBackend::Memory { max_memory },
+        "memory" => StoreBackend::Memory {
+            max_memory: c.size("store.max_memory", st.max_memory.as_ref(), 256 << 20),
+        },
         "embedded" => StoreBackend::Embedded {
             path: PathBuf::from(st.path.as_deref().unwrap_or("idemgate.redb")),
         },
@@ -490,8 +489,8 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             );
         }
     }
-    // What would otherwise fail only when the store opens, after the ports
-    // are bound.
+    // What would otherwise fail only when `serve` opens the store, where
+    // `check` says nothing of it.
     match &backend {
         StoreBackend::Embedded { path } => {
             let parent = path.parent().filter(|p| !p.as_os_str().is_empty());

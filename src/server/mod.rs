@@ -43,15 +43,16 @@ pub enum ServerError {
 }
 
 /// The field that tells `after`'s store from `before`'s: `store.backend`
-/// when the kind changed, else the kind's own field.
+/// when the kind changed, else the kind's own field (Redis's `url` or
+/// `urls`, whichever `after` has).
 fn store_field(before: &StoreBackend, after: &StoreBackend) -> Option<&'static str> {
     use StoreBackend::*;
     match (before, after) {
         _ if before == after => None,
         (Memory { .. }, Memory { .. }) => Some("store.max_memory"),
         (Embedded { .. }, Embedded { .. }) => Some("store.path"),
-        (Redis { .. }, Redis { .. }) => Some("store.url"),
-        (RedisCluster { .. }, RedisCluster { .. }) => Some("store.urls"),
+        (Redis { .. } | RedisCluster { .. }, Redis { .. }) => Some("store.url"),
+        (Redis { .. } | RedisCluster { .. }, RedisCluster { .. }) => Some("store.urls"),
         _ => Some("store.backend"),
     }
 }
@@ -272,6 +273,13 @@ impl Server {
     /// Serves until `shutdown` resolves, then stops accepting and lets open
     /// connections and claimed exchanges finish for `shutdown_grace`.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        self.run_keeping_admin(shutdown, std::future::ready(())).await
+    }
+
+    /// As [`Server::run`], for one of several accept loops: the admin
+    /// listener, if this one serves it, stays open after this loop's own
+    /// drain until `others_drained` resolves too.
+    pub async fn run_keeping_admin(self, shutdown: impl Future<Output = ()>, others_drained: impl Future<Output = ()>) {
         let Server {
             listener,
             admin,
@@ -369,6 +377,7 @@ impl Server {
                 "shutdown grace ran out; exchanges still open keep their claims until their leases end"
             ),
         }
+        others_drained.await;
         let _ = admin_phase.send(admin::Phase::Stopped);
     }
 }
