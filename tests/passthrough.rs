@@ -40,6 +40,53 @@ path = "/v1/orders"
     );
 }
 
+/// A pass-through request body goes upstream as it comes (SPEC §4): the
+/// upstream reads the first chunk while the client still holds the rest.
+#[tokio::test]
+async fn pass_through_request_bodies_stream() {
+    let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", upstream.local_addr().unwrap());
+    let (first_seen, first_arrived) = tokio::sync::oneshot::channel();
+    let backend = tokio::spawn(async move {
+        let (mut stream, _) = upstream.accept().await.unwrap();
+        let (mut seen, mut buf, mut first_seen) = (Vec::new(), [0u8; 4096], Some(first_seen));
+        while !seen.ends_with(b"0\r\n\r\n") {
+            let n = stream.read(&mut buf).await.unwrap();
+            assert!(n > 0, "{}", String::from_utf8_lossy(&seen));
+            seen.extend_from_slice(&buf[..n]);
+            if String::from_utf8_lossy(&seen).contains("first-chunk") {
+                first_seen.take().map(|s| s.send(()));
+            }
+        }
+        stream
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            .await
+            .unwrap();
+        String::from_utf8_lossy(&seen).into_owned()
+    });
+    let proxy = Proxy::start(&url, "").await;
+    let mut client = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    client
+        .write_all(b"POST /upload HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nb\r\nfirst-chunk\r\n")
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), first_arrived)
+        .await
+        .expect("the first chunk waited for the rest of the body")
+        .unwrap();
+    client.write_all(b"5\r\nlater\r\n0\r\n\r\n").await.unwrap();
+    let mut response = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !response.ends_with(b"ok") {
+        let n = client.read(&mut buf).await.unwrap();
+        assert!(n > 0, "{}", String::from_utf8_lossy(&response));
+        response.extend_from_slice(&buf[..n]);
+    }
+    assert!(response.starts_with(b"HTTP/1.1 200"));
+    let seen = backend.await.unwrap();
+    assert!(seen.contains("first-chunk") && seen.contains("later"), "{seen}");
+}
+
 #[tokio::test]
 async fn pass_through_responses_stream() {
     let upstream = Upstream::start(|_, _| Reply::Answer {
