@@ -468,7 +468,10 @@ impl Store for MemoryStore {
         );
         if still_in_flight {
             // The lease's end is a change too: nobody may notify for it.
-            let until = (now + timeout).min(lease_end);
+            // The timeout runs from a precise reading: the coarse one lags by
+            // up to its tick (4 ms), so a short wait from it would end at
+            // once, and a caller waiting to its deadline would spin.
+            let until = (Instant::now() + timeout).min(lease_end);
             let _ = tokio::time::timeout_at(until, notified).await;
         }
         Ok(())
