@@ -18,6 +18,16 @@ name = "orders"
 path = "/v1/orders"
 "#;
 
+/// A config with the embedded store in `dir` and the orders route, with
+/// `route` added to it.
+fn embedded_in(dir: &std::path::Path, route: &str) -> String {
+    let path = dir.join("idemgate.redb");
+    format!(
+        "[store]\nbackend = \"embedded\"\npath = \"{}\"\n{ROUTE}{route}",
+        path.display()
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_embedded_store_survives_kill_9_with_every_answer_and_claim() {
     let upstream = Upstream::start(|hit, seen| {
@@ -29,18 +39,7 @@ async fn an_embedded_store_survives_kill_9_with_every_answer_and_claim() {
     })
     .await;
     let dir = tempfile::tempdir().unwrap();
-    let config = format!(
-        r#"
-[store]
-backend = "embedded"
-path = "{}"
-[[route]]
-name = "orders"
-path = "/v1/orders"
-lock_timeout = "2s"
-"#,
-        dir.path().join("idemgate.redb").display()
-    );
+    let config = embedded_in(dir.path(), "lock_timeout = \"2s\"\n");
     let client = TestClient::default();
     let mut first = Binary::start(&upstream.url(), &config).await;
     let mut answers = Vec::new();
@@ -93,6 +92,59 @@ lock_timeout = "2s"
         assert!(Instant::now() < deadline, "the key was never freed");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_store_whose_file_cannot_grow_stops_and_loses_nothing() {
+    // 200 KiB answers: 160 of them (32 MiB) outgrow the 24 MiB any file of
+    // the first process may reach, at the first checkpoint (five seconds
+    // in). The log's segments (16 MiB each) fit.
+    let upstream = Upstream::start(|hit, _| Reply::status(201, &format!("{hit}{}", "x".repeat(200 << 10)))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = embedded_in(dir.path(), "");
+    let client = TestClient::default();
+    let mut first = Binary::start_with_file_size_limit(&upstream.url(), &config, 24 << 20).await;
+    let mut answers = Vec::new();
+    for i in 0..160 {
+        let answer = client.post(&first.url("/v1/orders"), &format!("k{i}"), "{}").await;
+        assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text());
+        answers.push(answer.body);
+    }
+    // The checkpoint fails: the store says so rather than retrying a file
+    // that redb no longer writes.
+    let ready = format!("http://{}/readyz", first.admin);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let answer = client.send("GET", &ready, &[], "").await;
+        if answer.status == StatusCode::SERVICE_UNAVAILABLE {
+            break;
+        }
+        assert!(Instant::now() < deadline, "/readyz stayed {}", answer.status);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let refused = client.post(&first.url("/v1/orders"), "new", "{}").await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE, "{}", refused.text());
+    assert_eq!(upstream.hits(), 160, "a new key reached the backend with no claim");
+    let log = first.log();
+    assert!(
+        log.contains("a write to the embedded store's file failed") && log.contains("restart to recover"),
+        "{log}"
+    );
+    first.kill9();
+
+    // Every answer is in the log, and a restart (the disk has room again)
+    // puts them into the file.
+    let second = Binary::start(&upstream.url(), &config).await;
+    for (i, body) in answers.iter().enumerate() {
+        let replay = client.post(&second.url("/v1/orders"), &format!("k{i}"), "{}").await;
+        assert!(replay.replayed(), "k{i} was lost: {}", replay.status);
+        assert_eq!(&replay.body, body, "k{i}");
+    }
+    assert_eq!(upstream.hits(), 160);
+    let ready = client
+        .send("GET", &format!("http://{}/readyz", second.admin), &[], "")
+        .await;
+    assert_eq!(ready.status, StatusCode::OK);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

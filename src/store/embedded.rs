@@ -26,7 +26,13 @@
 //! Log segments are named `<path>-wal.<n>` (see [`Wal`]); each entry
 //! carries its length and a CRC-32, and a torn entry at the end of a
 //! segment (a crash in the middle of an append) is ignored: it was never
-//! acknowledged. A failed log write stops the store taking writes.
+//! acknowledged.
+//!
+//! A failed write, of the log or of a checkpoint into the file, stops the
+//! store taking writes (fail-stop, as databases do): after it the kernel
+//! may have dropped the data, and redb refuses its file until it is opened
+//! again. Every acknowledged record is in the log, so a restart recovers
+//! them all; meanwhile [`Store::ping`] fails, so `/readyz` says so.
 //!
 //! Replays of completed records are read from the overlay or a read
 //! transaction without going through the writer. Leases and TTLs are
@@ -203,13 +209,27 @@ struct Shared {
     overlay: Mutex<Overlay>,
     /// Signalled when a checkpoint finishes.
     checkpointed: Condvar,
-    /// Set when a log write failed: the store takes no more writes.
+    /// Set when a write of the log or the file failed: the store takes no
+    /// more writes (see [`Shared::fail`]).
     failed: OnceLock<String>,
     /// The keys in the file.
     filter: KeyFilter,
 }
 
 impl Shared {
+    /// Stops the store taking writes, for `failure`; the first failure is
+    /// the one kept.
+    fn fail(&self, failure: String) {
+        tracing::error!("{failure}");
+        {
+            // Under the overlay's lock: a writer waiting for a checkpoint
+            // looks at `failed` under it before it waits, so this wakes it.
+            let _overlay = lock(&self.overlay);
+            let _ = self.failed.set(failure);
+        }
+        self.checkpointed.notify_all();
+    }
+
     /// Adds every key of the file to the filter, then lets it answer; until
     /// then every lookup reads the file. Runs beside the checkpoints: a key
     /// they add or remove meanwhile can only be counted once too often
@@ -525,9 +545,9 @@ impl Store for EmbeddedStore {
             return Err(StoreError::Unavailable(failure.clone().into()));
         }
         self.shared.db.begin_read().map(drop).map_err(unavailable)?;
-        // Through the writer too: one that died or is stuck (its overlay
-        // full while checkpoints fail) answers no claim, so the store is
-        // not ready; the caller's deadline bounds the wait.
+        // Through the writer too: one that died or is stuck answers no
+        // claim, so the store is not ready; the caller's deadline bounds
+        // the wait.
         self.send(|reply| Op::Ping { reply }).await.map(drop)
     }
 
@@ -825,13 +845,10 @@ impl Writer {
             Ok(())
         } else {
             self.wal.append(&log).map_err(|error| {
-                // Fail-stop, as databases do: after a failed write or sync
-                // the kernel may have dropped the data, and the segment's
-                // tail is unknown. What was acknowledged is in the log; a
-                // restart recovers it.
+                // After a failed write or sync the segment's tail is
+                // unknown. What was acknowledged is in the log before it.
                 let failure = format!("a write to the embedded store's log failed ({error}); restart to recover");
-                tracing::error!("{failure}");
-                let _ = self.shared.failed.set(failure.clone());
+                self.shared.fail(failure.clone());
                 StoreError::Unavailable(failure.into())
             })
         };
@@ -862,10 +879,11 @@ impl Writer {
 
     /// Hands the overlay to the checkpoint thread when it is due and the
     /// last checkpoint is done; waits for that one when the overlay is
-    /// over its limit.
+    /// over its limit. Once the store has failed, none is made: the log
+    /// keeps what the overlay holds for the restart.
     fn maybe_checkpoint(&mut self) {
         let mut overlay = lock(&self.shared.overlay);
-        if overlay.active.is_empty() {
+        if overlay.active.is_empty() || self.shared.failed.get().is_some() {
             return;
         }
         let due = overlay.active_bytes >= CHECKPOINT_BYTES || self.last_checkpoint.elapsed() >= CHECKPOINT_EVERY;
@@ -873,7 +891,7 @@ impl Writer {
             return;
         }
         while !overlay.frozen.is_empty() {
-            if overlay.active_bytes < OVERLAY_LIMIT {
+            if overlay.active_bytes < OVERLAY_LIMIT || self.shared.failed.get().is_some() {
                 return;
             }
             overlay = self
@@ -902,7 +920,11 @@ impl Writer {
         let frozen = overlay.frozen.clone();
         drop(overlay);
         self.last_checkpoint = Instant::now();
-        let _ = self.checkpoints.send((frozen, covered_below));
+        if self.checkpoints.send((frozen, covered_below)).is_err() {
+            // Nothing would ever write the overlay into the file.
+            self.shared
+                .fail("the embedded store's checkpoint thread has stopped; restart to recover".into());
+        }
     }
 }
 
@@ -1060,6 +1082,19 @@ impl Batch<'_> {
     }
 }
 
+/// Fails the store if the thread holding it panics: nothing else would
+/// write the overlay into the file, and a writer could wait for that.
+struct FailOnPanic(Arc<Shared>);
+
+impl Drop for FailOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0
+                .fail("the embedded store's checkpoint thread panicked; restart to recover".into());
+        }
+    }
+}
+
 /// The thread that writes overlays into the file and sweeps it.
 struct Checkpointer {
     shared: Arc<Shared>,
@@ -1072,6 +1107,7 @@ struct Checkpointer {
 
 impl Checkpointer {
     fn run(mut self, checkpoints: std_mpsc::Receiver<(Arc<Changes>, u64)>) {
+        let _stopped = FailOnPanic(self.shared.clone());
         let mut last_sweep = Instant::now();
         loop {
             let checkpoint = match checkpoints.recv_timeout(SWEEP_EVERY) {
@@ -1083,13 +1119,21 @@ impl Checkpointer {
             if sweep {
                 last_sweep = Instant::now();
             }
-            if let Some((frozen, covered_below)) = checkpoint {
-                // Until it lands, the overlay keeps answering reads and the
-                // log keeps the records: retry, never drop it.
-                while let Err(error) = self.write(Some((&frozen, covered_below)), sweep) {
-                    tracing::error!(%error, "checkpointing the embedded store failed; retrying");
-                    std::thread::sleep(Duration::from_secs(1));
-                }
+            let written = match &checkpoint {
+                Some((frozen, covered_below)) => self.write(Some((&**frozen, *covered_below)), sweep),
+                None if sweep => self.write(None, true),
+                None => Ok(()),
+            };
+            if let Err(error) = written {
+                // redb refuses its file after a failed write until it is
+                // opened again, so a retry cannot land. The overlay keeps
+                // answering reads and the log keeps the records.
+                self.shared.fail(format!(
+                    "a write to the embedded store's file failed ({error}); restart to recover"
+                ));
+                return;
+            }
+            if let Some((_, covered_below)) = checkpoint {
                 match Wal::segments(&self.path) {
                     Ok(segments) => {
                         let covered = segments.into_iter().map(|(n, _)| n).filter(|n| *n < covered_below);
@@ -1105,8 +1149,6 @@ impl Checkpointer {
                     overlay.generation += 1;
                 }
                 self.shared.checkpointed.notify_all();
-            } else if sweep && let Err(error) = self.write(None, true) {
-                tracing::warn!(%error, "sweeping expired records failed");
             }
         }
     }

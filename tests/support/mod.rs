@@ -448,6 +448,42 @@ impl Binary {
     /// As [`Binary::start`], with these environment variables set; its
     /// standard error goes to a file ([`Binary::log`]).
     pub async fn start_with_env(upstream: &str, toml: &str, env: &[(&str, &str)]) -> Binary {
+        Binary::start_with_command(upstream, toml, |command| {
+            command.envs(env.iter().copied());
+        })
+        .await
+    }
+
+    /// As [`Binary::start`], with writes past `bytes` into any file failing
+    /// with `EFBIG` (`RLIMIT_FSIZE`, and `SIGXFSZ` ignored rather than
+    /// fatal): a disk that fills up, for this process only.
+    pub async fn start_with_file_size_limit(upstream: &str, toml: &str, bytes: u64) -> Binary {
+        Binary::start_with_command(upstream, toml, |command| {
+            // SAFETY: between fork and exec only async-signal-safe calls
+            // are made (setrlimit, signal), and nothing is allocated.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(command, move || {
+                    let limit = libc::rlimit {
+                        rlim_cur: bytes,
+                        rlim_max: bytes,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0
+                        || libc::signal(libc::SIGXFSZ, libc::SIG_IGN) == libc::SIG_ERR
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        })
+        .await
+    }
+
+    async fn start_with_command(
+        upstream: &str,
+        toml: &str,
+        configure: impl FnOnce(&mut std::process::Command),
+    ) -> Binary {
         let free = || {
             std::net::TcpListener::bind("127.0.0.1:0")
                 .unwrap()
@@ -465,14 +501,14 @@ impl Binary {
         let mut config = tempfile::NamedTempFile::new().unwrap();
         std::io::Write::write_all(&mut config, text.as_bytes()).unwrap();
         let log = tempfile::NamedTempFile::new().unwrap();
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"));
+        command
             .arg("--config")
             .arg(config.path())
-            .envs(env.iter().copied())
             .stdout(std::process::Stdio::null())
-            .stderr(log.reopen().unwrap())
-            .spawn()
-            .unwrap();
+            .stderr(log.reopen().unwrap());
+        configure(&mut command);
+        let child = command.spawn().unwrap();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while tokio::net::TcpStream::connect(addr).await.is_err() {
