@@ -379,6 +379,7 @@ impl EmbeddedStore {
         // leaves them below `applied_below`, skipped next time.
         let wal = Wal::create(path, next).map_err(unavailable)?;
         Wal::retire(path, segments.iter().map(|(n, _)| *n)).map_err(unavailable)?;
+        Wal::top_up(path);
 
         let shared = Arc::new(Shared {
             db,
@@ -651,21 +652,27 @@ impl Wal {
     /// Writes a zero-filled segment-sized file under a temporary name of
     /// its own (the writer and the checkpoint thread may both be making
     /// one), syncs it, and renames it to `target`.
+    /// A failure (the disk full) leaves no temporary file behind.
     fn zero_filled(target: &Path) -> std::io::Result<()> {
         let mut temporary = target.as_os_str().to_owned();
         temporary.push(".new");
         let temporary = PathBuf::from(temporary);
-        let mut file = File::create(&temporary)?;
-        let zeros = vec![0u8; 1 << 20];
-        for _ in 0..SEGMENT_BYTES / zeros.len() as u64 {
-            file.write_all(&zeros)?;
-        }
-        file.sync_all()?;
-        fs::rename(temporary, target)
+        let fill = || -> std::io::Result<()> {
+            let mut file = File::create(&temporary)?;
+            let zeros = vec![0u8; 1 << 20];
+            for _ in 0..SEGMENT_BYTES / zeros.len() as u64 {
+                file.write_all(&zeros)?;
+            }
+            file.sync_all()?;
+            fs::rename(&temporary, target)
+        };
+        fill().inspect_err(|_| {
+            let _ = fs::remove_file(&temporary);
+        })
     }
 
     /// Retires segments `ns`: the first few become spares, the rest are
-    /// removed. Then tops the spares up, and syncs the directory.
+    /// removed; then syncs the directory.
     fn retire(path: &Path, ns: impl IntoIterator<Item = u64>) -> std::io::Result<()> {
         let spares = Wal::numbered(path, "-wal-spare.")?;
         let mut next = spares.last().map_or(0, |(k, _)| k + 1);
@@ -680,12 +687,24 @@ impl Wal {
                 fs::remove_file(segment)?;
             }
         }
-        while count < SPARES {
-            Wal::zero_filled(&Wal::named(path, &format!("-wal-spare.{next}")))?;
-            next += 1;
-            count += 1;
-        }
         File::open(parent(path))?.sync_all()
+    }
+
+    /// Makes spare segments until `SPARES` are ready. Failing (the disk
+    /// full) is a warning, not an error: the writer makes a segment itself
+    /// when there is no spare.
+    fn top_up(path: &Path) {
+        let made = || -> std::io::Result<()> {
+            let spares = Wal::numbered(path, "-wal-spare.")?;
+            let first = spares.last().map_or(0, |(k, _)| k + 1);
+            for next in first..first + SPARES.saturating_sub(spares.len()) as u64 {
+                Wal::zero_filled(&Wal::named(path, &format!("-wal-spare.{next}")))?;
+            }
+            File::open(parent(path))?.sync_all()
+        };
+        if let Err(error) = made() {
+            tracing::warn!(%error, "making spare log segments failed");
+        }
     }
 
     fn crc(segment: u64, body: &[u8]) -> u32 {
@@ -1143,6 +1162,7 @@ impl Checkpointer {
                     }
                     Err(error) => tracing::warn!(%error, "listing log segments failed"),
                 }
+                Wal::top_up(&self.path);
                 {
                     let mut overlay = lock(&self.shared.overlay);
                     overlay.frozen = Arc::default();
@@ -1308,6 +1328,7 @@ mod tests {
         Wal::encode(&mut log, 1, &[1; 32], Some(b"old"));
         wal.append(&log).unwrap();
         Wal::retire(&path, [1]).unwrap();
+        Wal::top_up(&path);
         assert!(Wal::segments(&path).unwrap().is_empty());
         let spares = Wal::numbered(&path, "-wal-spare.").unwrap();
         assert_eq!(spares.len(), SPARES, "the retired segment and new ones are spares");
@@ -1324,6 +1345,32 @@ mod tests {
             0,
             "what segment 1 wrote is not segment 2's"
         );
+    }
+
+    #[tokio::test]
+    async fn a_store_opens_and_works_when_no_spare_segment_can_be_made() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("n.redb");
+        // The first spare's temporary name is taken by a directory, so
+        // making it fails, as on a full disk.
+        fs::create_dir(Wal::named(&path, "-wal-spare.0.new")).unwrap();
+        let store = EmbeddedStore::open(&path).unwrap();
+        assert!(Wal::numbered(&path, "-wal-spare.").unwrap().is_empty());
+        let (key, owner) = (RecordKey([6; 32]), Owner::new());
+        let claimed = store.claim(&key, &Fingerprint([1; 32]), owner, Duration::from_secs(30), None);
+        assert_eq!(claimed.await.unwrap(), Claim::Claimed);
+        store.ping().await.unwrap();
+    }
+
+    #[test]
+    fn a_segment_that_cannot_be_made_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        // Renaming onto a directory that is not empty fails after the fill.
+        let target = dir.path().join("s.redb-wal-spare.0");
+        fs::create_dir(&target).unwrap();
+        fs::write(target.join("occupied"), b"").unwrap();
+        assert!(Wal::zero_filled(&target).is_err());
+        assert!(!Wal::named(&target, ".new").exists());
     }
 
     /// Opens `path` once the last store on it has let go of the file.
