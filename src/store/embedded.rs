@@ -397,6 +397,7 @@ impl EmbeddedStore {
             wal,
             checkpoints,
             last_checkpoint: Instant::now(),
+            segment_backoff: None,
         };
         let checkpointer = Checkpointer {
             shared: shared.clone(),
@@ -770,14 +771,6 @@ impl Wal {
         })
     }
 
-    /// Moves to the next segment when this one is nearly full.
-    fn make_room(&mut self) -> std::io::Result<()> {
-        if self.offset + SEGMENT_HEADROOM > SEGMENT_BYTES {
-            *self = Wal::create(&self.path, self.segment + 1)?;
-        }
-        Ok(())
-    }
-
     /// Writes `buf` at the end of the log and syncs it.
     fn append(&mut self, buf: &[u8]) -> std::io::Result<()> {
         use std::os::unix::fs::FileExt;
@@ -804,6 +797,8 @@ struct Writer {
     /// it covers.
     checkpoints: std_mpsc::Sender<(Arc<Changes>, u64)>,
     last_checkpoint: Instant,
+    /// Until when no new segment is tried, after one failed.
+    segment_backoff: Option<Instant>,
 }
 
 /// An answer held until the batch is synced.
@@ -846,8 +841,11 @@ impl Writer {
 
     /// Decides a batch, logs and syncs it, publishes it, then answers it.
     fn apply(&mut self, batch: Vec<Op>) {
-        if let Err(error) = self.wal.make_room() {
-            tracing::error!(%error, "starting a new log segment failed");
+        // Batches go on into this segment, past its end, until one is made.
+        if self.wal.offset + SEGMENT_HEADROOM > SEGMENT_BYTES
+            && let Some(next) = self.next_segment()
+        {
+            self.wal = next;
         }
         let mut changes = Batch {
             segment: self.wal.segment,
@@ -896,6 +894,26 @@ impl Writer {
         }
     }
 
+    /// The segment after this one, unless making one failed within the
+    /// last second: a full disk is tried (and logged) once a second, not
+    /// once a batch.
+    fn next_segment(&mut self) -> Option<Wal> {
+        if self.segment_backoff.is_some_and(|until| Instant::now() < until) {
+            return None;
+        }
+        match Wal::create(&self.wal.path, self.wal.segment + 1) {
+            Ok(wal) => {
+                self.segment_backoff = None;
+                Some(wal)
+            }
+            Err(error) => {
+                tracing::error!(%error, "starting a new log segment failed; the current one grows meanwhile");
+                self.segment_backoff = Some(Instant::now() + Duration::from_secs(1));
+                None
+            }
+        }
+    }
+
     /// Hands the overlay to the checkpoint thread when it is due and the
     /// last checkpoint is done; waits for that one when the overlay is
     /// over its limit. Once the store has failed, none is made: the log
@@ -924,12 +942,8 @@ impl Writer {
         // holds changes until this thread, its only writer, takes it again,
         // and only this thread fills `frozen`, which is empty.
         drop(overlay);
-        let next = match Wal::create(&self.wal.path, self.wal.segment + 1) {
-            Ok(wal) => wal,
-            Err(error) => {
-                tracing::error!(%error, "starting a new log segment failed; checkpoint postponed");
-                return;
-            }
+        let Some(next) = self.next_segment() else {
+            return;
         };
         let covered_below = next.segment;
         self.wal = next;
@@ -1360,6 +1374,60 @@ mod tests {
         let claimed = store.claim(&key, &Fingerprint([1; 32]), owner, Duration::from_secs(30), None);
         assert_eq!(claimed.await.unwrap(), Claim::Claimed);
         store.ping().await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_log_grows_past_its_segment_while_no_new_one_can_be_made() {
+        use crate::store::StoredResponse;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("g.redb");
+        let blocked = [
+            Wal::named(&path, "-wal-spare.0.new"),
+            Wal::named(&path, "-wal.000002.new"),
+        ];
+        for name in &blocked {
+            fs::create_dir(name).unwrap();
+        }
+        let store = EmbeddedStore::open(&path).unwrap();
+        let body = Bytes::from(vec![b'y'; 100 * 1024]);
+        let key = |i: u8| {
+            RecordKey([
+                i, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9,
+            ])
+        };
+        let (fingerprint, ttl) = (Fingerprint([1; 32]), Duration::from_secs(60));
+        for i in 0..200 {
+            let owner = Owner::new();
+            let claimed = store.claim(&key(i), &fingerprint, owner, ttl, None).await.unwrap();
+            assert_eq!(claimed, Claim::Claimed);
+            let outcome = Outcome::Response(Arc::new(StoredResponse::new(
+                http::StatusCode::OK,
+                &[],
+                std::slice::from_ref(&body),
+            )));
+            assert!(
+                store
+                    .complete(&key(i), &fingerprint, owner, outcome, ttl)
+                    .await
+                    .unwrap()
+            );
+        }
+        let segments = Wal::segments(&path).unwrap();
+        assert_eq!(segments.len(), 1);
+        assert!(fs::metadata(&segments[0].1).unwrap().len() > SEGMENT_BYTES);
+        drop(store);
+
+        for name in &blocked {
+            fs::remove_dir(name).unwrap();
+        }
+        let store = reopen(&path);
+        for i in 0..200 {
+            let found = store
+                .claim(&key(i), &fingerprint, Owner::new(), ttl, None)
+                .await
+                .unwrap();
+            assert!(matches!(found, Claim::Completed { .. }), "{i} was lost");
+        }
     }
 
     #[test]
