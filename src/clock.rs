@@ -11,10 +11,15 @@ pub fn coarse_now() -> Instant {
     imp::coarse_now()
 }
 
+/// The most [`coarse_now`] lags the precise clock by: one tick.
+pub fn coarse_lag() -> std::time::Duration {
+    imp::coarse_lag()
+}
+
 #[cfg(target_os = "linux")]
 mod imp {
     use super::*;
-    use rustix::time::{ClockId, clock_gettime};
+    use rustix::time::{ClockId, clock_getres, clock_gettime};
     use std::sync::OnceLock;
     use std::time::Duration;
 
@@ -30,6 +35,14 @@ mod imp {
         let (instant, coarse_then) = *ORIGIN.get_or_init(|| (Instant::now(), coarse()));
         instant + coarse().saturating_sub(coarse_then)
     }
+
+    pub fn coarse_lag() -> Duration {
+        static LAG: OnceLock<Duration> = OnceLock::new();
+        *LAG.get_or_init(|| {
+            let tick = clock_getres(ClockId::MonotonicCoarse);
+            Duration::new(tick.tv_sec as u64, tick.tv_nsec as u32)
+        })
+    }
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -38,6 +51,10 @@ mod imp {
 
     pub fn coarse_now() -> Instant {
         Instant::now()
+    }
+
+    pub fn coarse_lag() -> std::time::Duration {
+        std::time::Duration::ZERO
     }
 }
 
@@ -63,6 +80,22 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(3));
         }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn coarse_time_reaches_a_moment_about_one_lag_after_the_precise_clock() {
+        let lag = coarse_lag();
+        assert!(lag > Duration::ZERO && lag <= Duration::from_millis(10), "{lag:?}");
+        let mut late = 0;
+        for _ in 0..20 {
+            let moment = coarse_now() + Duration::from_millis(3);
+            let wake = (moment + lag).into_std();
+            std::thread::sleep(wake.saturating_duration_since(std::time::Instant::now()));
+            late += usize::from(coarse_now() < moment);
+        }
+        // A tick may come late (an idle machine's kernel skips ticks).
+        assert!(late <= 2, "{late} of 20 readings had not reached the moment");
     }
 
     #[test]

@@ -341,6 +341,30 @@ pub async fn operators_inspect_and_purge_any_record(store: Arc<dyn Store>) {
     assert_eq!(store.inspect(&k).await.unwrap(), None);
 }
 
+pub async fn a_lease_that_runs_out_ends_a_wait_without_a_spin(store: Arc<dyn Store>) {
+    let k = key();
+    store
+        .claim(&k, &A, Owner::new(), Duration::from_millis(300), None)
+        .await
+        .unwrap();
+    // As the gateway waits: claim, and wait while the key is in flight.
+    let started = Instant::now();
+    let mut wakes = 0;
+    loop {
+        match store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap() {
+            Claim::Claimed => break,
+            Claim::InFlight { .. } => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "the lease never ran out");
+        store.wait(&k, Duration::from_secs(10)).await.unwrap();
+        wakes += 1;
+    }
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(250), "claimed after {waited:?}");
+    assert!(wakes <= 3, "{wakes} wake-ups in {waited:?}");
+}
+
 /// Random operations on a few keys by a few owners, each answer checked
 /// against a model of the contract (no record expires: leases and TTLs are
 /// long). Every backend keeps the same books.
@@ -468,6 +492,7 @@ macro_rules! contract {
             case!(waiters_wake_on_completion_and_release);
             case!(waiting_is_bounded_and_immediate_when_nothing_is_in_flight);
             case!(operators_inspect_and_purge_any_record);
+            case!(a_lease_that_runs_out_ends_a_wait_without_a_spin);
             case!(random_operations_agree_with_a_model);
         }
     };

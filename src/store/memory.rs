@@ -24,7 +24,7 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::clock::coarse_now;
+use crate::clock::{coarse_lag, coarse_now};
 
 use super::{Claim, Fingerprint, KeyMap, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 
@@ -468,10 +468,15 @@ impl Store for MemoryStore {
         );
         if still_in_flight {
             // The lease's end is a change too: nobody may notify for it.
-            // The timeout runs from a precise reading: the coarse one lags by
-            // up to its tick (4 ms), so a short wait from it would end at
-            // once, and a caller waiting to its deadline would spin.
-            let until = (Instant::now() + timeout).min(lease_end);
+            // The coarse clock lags the precise one by up to its tick (4
+            // ms), so the timeout runs from a precise reading (from a coarse
+            // one a short wait would end at once), and the wait for the
+            // lease lasts a tick past its end (before that a claim still
+            // finds it held), at least a millisecond should the coarse clock
+            // be later still. Either way a caller would spin.
+            let now = Instant::now();
+            let lease_over = (lease_end + coarse_lag()).max(now + Duration::from_millis(1));
+            let until = (now + timeout).min(lease_over);
             let _ = tokio::time::timeout_at(until, notified).await;
         }
         Ok(())
