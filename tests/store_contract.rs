@@ -339,6 +339,16 @@ pub async fn operators_inspect_and_purge_any_record(store: Arc<dyn Store>) {
     );
     assert!(store.purge(&k).await.unwrap());
     assert_eq!(store.inspect(&k).await.unwrap(), None);
+
+    // A record past its TTL, not yet swept, is gone for a purge too.
+    let expired = key();
+    let owner = Owner::new();
+    store.claim(&expired, &A, owner, LONG, None).await.unwrap();
+    let ttl = Duration::from_millis(100);
+    store.complete(&expired, &A, owner, response("old"), ttl).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(!store.purge(&expired).await.unwrap(), "an expired record is purged");
+    assert_eq!(store.inspect(&expired).await.unwrap(), None);
 }
 
 pub async fn a_lease_that_runs_out_ends_a_wait_without_a_spin(store: Arc<dyn Store>) {

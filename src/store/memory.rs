@@ -509,7 +509,8 @@ impl Store for MemoryStore {
     }
 
     async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        Ok(self.shard(key).remove(key).is_some())
+        let mut shard = self.shard(key);
+        Ok(shard.live(key, coarse_now()).is_some() && shard.remove(key).is_some())
     }
 }
 
