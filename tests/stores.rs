@@ -96,9 +96,10 @@ async fn an_embedded_store_survives_kill_9_with_every_answer_and_claim() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_embedded_store_whose_file_cannot_grow_stops_and_loses_nothing() {
-    // 200 KiB answers: 160 of them (32 MiB) outgrow the 24 MiB any file of
-    // the first process may reach, at the first checkpoint (five seconds
-    // in). The log's segments (16 MiB each) fit.
+    // 200 KiB answers (256 KiB blocks in redb, whose file grows by
+    // doubling): 160 of them outgrow the 24 MiB any file of the first
+    // process may reach, at a checkpoint (every five seconds) that covers
+    // some 70 of them. The log's segments (16 MiB each) fit.
     let upstream = Upstream::start(|hit, _| Reply::status(201, &format!("{hit}{}", "x".repeat(200 << 10)))).await;
     let dir = tempfile::tempdir().unwrap();
     let config = embedded_in(dir.path(), "");
@@ -107,9 +108,17 @@ async fn an_embedded_store_whose_file_cannot_grow_stops_and_loses_nothing() {
     let mut answers = Vec::new();
     for i in 0..160 {
         let answer = client.post(&first.url("/v1/orders"), &format!("k{i}"), "{}").await;
+        if answer.status == StatusCode::SERVICE_UNAVAILABLE {
+            break; // the store failed already: a slow machine
+        }
         assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text());
         answers.push(answer.body);
     }
+    assert!(
+        answers.len() >= 20,
+        "only {} answers before the store failed",
+        answers.len()
+    );
     // The checkpoint fails: the store says so rather than retrying a file
     // that redb no longer writes.
     let ready = format!("http://{}/readyz", first.admin);
@@ -124,7 +133,11 @@ async fn an_embedded_store_whose_file_cannot_grow_stops_and_loses_nothing() {
     }
     let refused = client.post(&first.url("/v1/orders"), "new", "{}").await;
     assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE, "{}", refused.text());
-    assert_eq!(upstream.hits(), 160, "a new key reached the backend with no claim");
+    assert_eq!(
+        upstream.hits(),
+        answers.len(),
+        "a key reached the backend with no claim"
+    );
     let log = first.log();
     assert!(
         log.contains("a write to the embedded store's file failed") && log.contains("restart to recover"),
@@ -133,14 +146,18 @@ async fn an_embedded_store_whose_file_cannot_grow_stops_and_loses_nothing() {
     first.kill9();
 
     // Every answer is in the log, and a restart (the disk has room again)
-    // puts them into the file.
+    // puts them into the file. The last answer's record may have met the
+    // failure: then its claim is kept (409 until its lease runs out).
     let second = Binary::start(&upstream.url(), &config).await;
     for (i, body) in answers.iter().enumerate() {
         let replay = client.post(&second.url("/v1/orders"), &format!("k{i}"), "{}").await;
+        if i + 1 == answers.len() && replay.status == StatusCode::CONFLICT {
+            continue;
+        }
         assert!(replay.replayed(), "k{i} was lost: {}", replay.status);
         assert_eq!(&replay.body, body, "k{i}");
     }
-    assert_eq!(upstream.hits(), 160);
+    assert_eq!(upstream.hits(), answers.len());
     let ready = client
         .send("GET", &format!("http://{}/readyz", second.admin), &[], "")
         .await;

@@ -220,14 +220,16 @@ impl Shared {
     /// Stops the store taking writes, for `failure`; the first failure is
     /// the one kept.
     fn fail(&self, failure: String) {
-        tracing::error!("{failure}");
-        {
+        let first = {
             // Under the overlay's lock: a writer waiting for a checkpoint
             // looks at `failed` under it before it waits, so this wakes it.
             let _overlay = lock(&self.overlay);
-            let _ = self.failed.set(failure);
+            self.failed.set(failure.clone()).is_ok()
+        };
+        if first {
+            tracing::error!("{failure}");
+            self.checkpointed.notify_all();
         }
-        self.checkpointed.notify_all();
     }
 
     /// Adds every key of the file to the filter, then lets it answer; until
@@ -841,8 +843,10 @@ impl Writer {
 
     /// Decides a batch, logs and syncs it, publishes it, then answers it.
     fn apply(&mut self, batch: Vec<Op>) {
-        // Batches go on into this segment, past its end, until one is made.
+        // Batches go on into this segment, past its end, until one is made
+        // (none once the store has failed: nothing more is logged).
         if self.wal.offset + SEGMENT_HEADROOM > SEGMENT_BYTES
+            && self.shared.failed.get().is_none()
             && let Some(next) = self.next_segment()
         {
             self.wal = next;
@@ -879,6 +883,12 @@ impl Writer {
         }
         for answer in pending {
             match answer {
+                // Only a new claim must be in the log before it is answered:
+                // a record found is the answer whether or not the refresh of
+                // its TTL was logged (a replay after the store failed).
+                Pending::Claim(reply, result @ Ok(Claim::Completed { .. } | Claim::InFlight { .. })) => {
+                    let _ = reply.send(result);
+                }
                 Pending::Claim(reply, result) => {
                     let _ = reply.send(synced.as_ref().map_err(copy_error).and(result));
                 }
@@ -1428,6 +1438,37 @@ mod tests {
                 .unwrap();
             assert!(matches!(found, Claim::Completed { .. }), "{i} was lost");
         }
+    }
+
+    #[tokio::test]
+    async fn a_failed_store_refuses_new_claims_and_still_answers_replays() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&dir.path().join("r.redb")).unwrap();
+        let (done, fingerprint, owner) = (RecordKey([7; 32]), Fingerprint([1; 32]), Owner::new());
+        let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+        store.claim(&done, &fingerprint, owner, lease, None).await.unwrap();
+        assert!(
+            store
+                .complete(&done, &fingerprint, owner, Outcome::Unknown, ttl)
+                .await
+                .unwrap()
+        );
+        let held = RecordKey([8; 32]);
+        store
+            .claim(&held, &fingerprint, Owner::new(), lease, None)
+            .await
+            .unwrap();
+
+        store.shared.fail("a write failed (in a test)".into());
+        assert!(store.ping().await.is_err());
+        let new = store.claim(&RecordKey([9; 32]), &fingerprint, Owner::new(), lease, None);
+        assert!(new.await.is_err(), "a new claim is taken by a failed store");
+        // A replay whose TTL would be refreshed goes through the writer; the
+        // refresh is not logged, the answer stands.
+        let replay = store.claim(&done, &fingerprint, Owner::new(), lease, Some(ttl));
+        assert!(matches!(replay.await.unwrap(), Claim::Completed { .. }));
+        let conflict = store.claim(&held, &fingerprint, Owner::new(), lease, None);
+        assert!(matches!(conflict.await.unwrap(), Claim::InFlight { .. }));
     }
 
     #[test]
