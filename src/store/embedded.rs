@@ -377,10 +377,11 @@ impl EmbeddedStore {
             txn.commit().map_err(unavailable)?;
             next
         };
-        // The new segment first: a crash before the old ones are gone
-        // leaves them below `applied_below`, skipped next time.
-        let wal = Wal::create(path, next).map_err(unavailable)?;
+        // The old segments are in the file (below `applied_below`): they
+        // become spares first, so the new segment is one of them, and a
+        // full disk needs no room for it.
         Wal::retire(path, segments.iter().map(|(n, _)| *n)).map_err(unavailable)?;
+        let wal = Wal::create(path, next).map_err(unavailable)?;
         Wal::top_up(path);
 
         let shared = Arc::new(Shared {
@@ -599,6 +600,9 @@ const SEGMENT_HEADROOM: u64 = 2 << 20;
 /// Spare segments kept ready (about 8 ms to zero-fill one here), so the
 /// writer never has to make one itself under load.
 const SPARES: usize = 3;
+/// The room a spare segment may not take: what the log and the file may
+/// need meanwhile.
+const SPARE_ROOM: u64 = 256 << 20;
 
 impl Wal {
     fn named(path: &Path, suffix: &str) -> PathBuf {
@@ -693,14 +697,20 @@ impl Wal {
         File::open(parent(path))?.sync_all()
     }
 
-    /// Makes spare segments until `SPARES` are ready. Failing (the disk
-    /// full) is a warning, not an error: the writer makes a segment itself
-    /// when there is no spare.
+    /// Makes spare segments until `SPARES` are ready, each only while
+    /// `SPARE_ROOM` would stay free after it: spares only save the writer
+    /// a zero-fill, and must not take the room the log and the file need.
+    /// Failing (the disk full) is a warning, not an error: the writer makes
+    /// a segment itself when there is no spare.
     fn top_up(path: &Path) {
         let made = || -> std::io::Result<()> {
             let spares = Wal::numbered(path, "-wal-spare.")?;
             let first = spares.last().map_or(0, |(k, _)| k + 1);
             for next in first..first + SPARES.saturating_sub(spares.len()) as u64 {
+                if free_bytes(parent(path))? < SEGMENT_BYTES + SPARE_ROOM {
+                    tracing::warn!("the embedded store's disk is nearly full: no spare log segment made");
+                    break;
+                }
                 Wal::zero_filled(&Wal::named(path, &format!("-wal-spare.{next}")))?;
             }
             File::open(parent(path))?.sync_all()
@@ -781,6 +791,18 @@ impl Wal {
         self.offset += buf.len() as u64;
         Ok(())
     }
+}
+
+/// The bytes free to an unprivileged writer on the file system of `dir`.
+#[cfg(target_os = "linux")]
+fn free_bytes(dir: &Path) -> std::io::Result<u64> {
+    let stats = rustix::fs::statvfs(dir)?;
+    Ok(stats.f_bavail.saturating_mul(stats.f_frsize))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn free_bytes(_: &Path) -> std::io::Result<u64> {
+    Ok(u64::MAX)
 }
 
 fn parent(path: &Path) -> &Path {
@@ -1186,13 +1208,13 @@ impl Checkpointer {
                     }
                     Err(error) => tracing::warn!(%error, "listing log segments failed"),
                 }
-                Wal::top_up(&self.path);
                 {
                     let mut overlay = lock(&self.shared.overlay);
                     overlay.frozen = Arc::default();
                     overlay.generation += 1;
                 }
                 self.shared.checkpointed.notify_all();
+                Wal::top_up(&self.path);
             }
         }
     }
