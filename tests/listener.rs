@@ -162,6 +162,39 @@ async fn heads_that_could_smuggle_a_request_are_refused() {
     assert_eq!(upstream.hits(), 0);
 }
 
+/// Routes match paths: a target with none is refused, where it passed every
+/// route by and reached the backend as `/`.
+#[tokio::test]
+async fn targets_without_a_path_are_refused_and_options_star_passes_through() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
+    // A catch-all route: every POST is idempotent.
+    let proxy = Proxy::start(&upstream.url(), "[[route]]\nname = \"all\"\npath = \"/{*rest}\"\n").await;
+    for line in [
+        "POST api.example.com HTTP/1.1",
+        "POST 127.0.0.1:80 HTTP/1.1",
+        "CONNECT 127.0.0.1:443 HTTP/1.1",
+        "POST * HTTP/1.1",
+    ] {
+        let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+        let wire = format!(
+            "{line}\r\nhost: api.example.com\r\nidempotency-key: t\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}"
+        );
+        let seen = until_close(&mut stream, wire.as_bytes()).await;
+        assert!(seen.starts_with("HTTP/1.1 400"), "{line}: {seen}");
+        assert!(seen.contains("application/problem+json"), "{seen}");
+    }
+    assert_eq!(upstream.hits(), 0);
+    // `OPTIONS *` asks about the server as a whole: forwarded as it is.
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let seen = until_close(
+        &mut stream,
+        b"OPTIONS * HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(seen.starts_with("HTTP/1.1 201"), "{seen}");
+    assert_eq!(upstream.seen()[0].uri, "*");
+}
+
 /// Heads the listener cannot serve get nginx's statuses, each a problem
 /// document, and reach nobody.
 #[tokio::test]

@@ -27,7 +27,7 @@ use futures_util::FutureExt;
 use futures_util::future::Either;
 use http::header::HOST;
 use http::request::Parts;
-use http::{HeaderValue, Request, Response, Uri};
+use http::{HeaderValue, Method, Request, Response, Uri};
 use http_body_util::{BodyExt, Limited};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
@@ -93,9 +93,10 @@ pub struct Gateway {
 enum Routed<'a> {
     Idempotent(&'a Arc<LiveRoute>, RouteMatch),
     PassThrough(&'a Uri),
-    /// A path whose dot segments, resolved or as written, lead to two
-    /// different places: refused, as the backend may read it either way.
-    Ambiguous,
+    /// Refused with 400, for this reason: a target that names no path,
+    /// or a path whose dot segments, resolved or as written, lead to two
+    /// different places (the backend may read it either way).
+    Refused(&'static str),
 }
 
 impl Routed<'_> {
@@ -199,12 +200,9 @@ impl Gateway {
                 self.passthrough.count(Outcome::Passthrough);
                 Either::Right(Either::Left(self.forward(request, upstream, peer)))
             }
-            Routed::Ambiguous => {
+            Routed::Refused(why) => {
                 self.passthrough.count(Outcome::BadRequest);
-                let problem = Problem::BadRequest(
-                    "the path's `.` or `..` segments lead elsewhere than its segments as written; send it with them resolved"
-                        .into(),
-                );
+                let problem = Problem::BadRequest(why.into());
                 Either::Right(Either::Right(std::future::ready(problem.response())))
             }
         };
@@ -214,6 +212,18 @@ impl Gateway {
     }
 
     fn route_for(&self, request: &Request<ClientBody>) -> Routed<'_> {
+        // Routes match paths. A target without one (authority-form,
+        // `host:port`) would pass every route by and reach the backend as
+        // `/`; it is CONNECT's alone (RFC 9112 §3.2.3), and idemgate makes
+        // no tunnels. `*` is OPTIONS's alone, and passes through.
+        let (method, path) = (request.method(), request.uri().path());
+        if method == Method::CONNECT {
+            return Routed::Refused("CONNECT is not supported: idemgate forwards requests, it makes no tunnels");
+        }
+        let routable = path.starts_with('/') || (path == "*" && method == Method::OPTIONS);
+        if !routable {
+            return Routed::Refused("the request target must be a path, an absolute URI, or `*` for OPTIONS");
+        }
         // The target's own host when it has one (absolute-form, HTTP/2's
         // :authority), which RFC 9112 §3.2.2 says wins over Host; without
         // the trailing dot of a fully qualified name, as nginx drops it.
@@ -243,7 +253,9 @@ impl Gateway {
                 if routed.same_place(&as_written) {
                     routed
                 } else {
-                    Routed::Ambiguous
+                    Routed::Refused(
+                        "the path's `.` or `..` segments lead elsewhere than its segments as written; send it with them resolved",
+                    )
                 }
             }
         }
