@@ -375,6 +375,12 @@ impl Noted {
         }
     }
 
+    /// Whether the `content-length` is absent or one line of a plain
+    /// number, as it would be written afresh.
+    pub fn plain_length(&self) -> bool {
+        self.content_lengths == 0 || (self.content_lengths == 1 && self.first_length.is_some())
+    }
+
     /// The `content-length`, as [`content_length`], with no lookup when
     /// there is none or one plain number.
     pub fn content_length(&self, headers: &HeaderMap) -> Result<Option<u64>, &'static str> {

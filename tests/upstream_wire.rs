@@ -33,6 +33,12 @@ fn script(path: &str) -> (&'static [u8], bool) {
             false,
         ),
         "/no-content" => (b"HTTP/1.1 204 No Content\r\n\r\n", false),
+        // One length, spelled as a list and again: read as one, and passed
+        // on (a 304 has no body to measure) as one number.
+        "/not-modified" => (
+            b"HTTP/1.1 304 Not Modified\r\ncontent-length: 7, 7\r\ncontent-length: 7\r\n\r\n",
+            false,
+        ),
         // Both: transfer-encoding wins, and content-length must not reach
         // the client beside a body of another length.
         "/both" => (
@@ -227,6 +233,10 @@ async fn every_framing_arrives_whole_and_connections_are_reused() {
     assert_eq!(interim.status, StatusCode::CREATED);
     assert_eq!(interim.text(), "interim");
     assert_eq!(get("/no-content").await.status, StatusCode::NO_CONTENT);
+    let not_modified = get("/not-modified").await;
+    assert_eq!(not_modified.status, StatusCode::NOT_MODIFIED);
+    let lengths: Vec<_> = not_modified.headers.get_all("content-length").iter().collect();
+    assert_eq!(lengths, ["7"], "RFC 9110 §8.6: one number");
     assert_eq!(
         upstream.connections.load(Ordering::SeqCst),
         1,

@@ -629,6 +629,14 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                         })?;
                     let (framing, keep_alive) = framing(&response, &noted, head_only, minor)?;
                     let headers = response.headers_mut();
+                    if matches!(framing, Framing::Empty)
+                        && !noted.plain_length()
+                        && let Ok(Some(length)) = noted.content_length(headers)
+                    {
+                        // Passed on with no body to measure: as one number,
+                        // however the upstream spelled it (RFC 9110 §8.6).
+                        headers.insert(header::CONTENT_LENGTH, length.into());
+                    }
                     if noted.transfer_encoding {
                         // RFC 9112 §6.3: Transfer-Encoding overrides it, and
                         // passed on it would misframe the answer downstream.
