@@ -149,6 +149,39 @@ on_server_error = "store"
 }
 
 #[tokio::test]
+async fn answers_that_ask_for_a_retry_later_are_never_replayed() {
+    // Each refusal once, then the order is made.
+    let upstream = Upstream::start(|hit, _| match hit {
+        1 => Reply::status(429, "slow down"),
+        3 => Reply::status(408, "too slow"),
+        5 => Reply::status(425, "too early"),
+        _ => Reply::created(hit),
+    })
+    .await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        r#"
+[[route]]
+name = "orders"
+path = "/v1/orders"
+on_server_error = "store"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    for (key, refused) in [("a", 429), ("b", 408), ("c", 425)] {
+        let first = client.post(&proxy.url("/v1/orders"), key, "").await;
+        assert_eq!(first.status, refused);
+        assert!(!first.replayed());
+        let retry = client.post(&proxy.url("/v1/orders"), key, "").await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{key}: {}", retry.text());
+        assert!(!retry.replayed(), "{key}: the retry reached the backend");
+        assert!(client.post(&proxy.url("/v1/orders"), key, "").await.replayed());
+    }
+    assert_eq!(upstream.hits(), 6);
+}
+
+#[tokio::test]
 async fn a_fail_once_backend_is_retried_then_replayed() {
     let upstream = Upstream::start(|hit, _| {
         if hit == 1 {

@@ -468,7 +468,8 @@ impl Exchange {
         };
 
         let (head, mut body) = response.into_parts();
-        let keep = !(head.status.is_server_error() && policy.on_server_error == OnServerError::Release);
+        let keep = !(not_acted_on(head.status)
+            || head.status.is_server_error() && policy.on_server_error == OnServerError::Release);
         let limit = usize::try_from(policy.max_response_body).unwrap_or(usize::MAX);
         let status = head.status;
 
@@ -673,6 +674,17 @@ fn abort(client: Option<BodySender>, why: &'static str) {
     if let Some(tx) = client {
         tx.abort(why);
     }
+}
+
+/// Whether an answer says the backend did not act on the request, which
+/// may be sent again later: 408 (it was not received whole), 425 (too
+/// early) and 429 (too many requests). Such an answer is delivered and
+/// never recorded, whatever `on_server_error`: replayed, a moment's
+/// refusal would be the key's answer for its whole TTL, and the retry it
+/// asks for would never reach the backend. (Stripe, likewise, saves no
+/// result for a request that never began executing.)
+fn not_acted_on(status: http::StatusCode) -> bool {
+    matches!(status.as_u16(), 408 | 425 | 429)
 }
 
 #[cfg(test)]
