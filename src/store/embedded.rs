@@ -80,8 +80,9 @@ const CHECKPOINT_EVERY: Duration = if cfg!(test) {
 };
 const CHECKPOINT_BYTES: usize = 64 << 20;
 /// While a checkpoint runs, the writer goes on until the overlay holds this
-/// much, then waits for the checkpoint: memory stays bounded.
-const OVERLAY_LIMIT: usize = 4 * CHECKPOINT_BYTES;
+/// much, then waits for the checkpoint: memory stays bounded. (Tests reach
+/// a smaller limit.)
+const OVERLAY_LIMIT: usize = if cfg!(test) { 4 << 20 } else { 4 * CHECKPOINT_BYTES };
 /// redb's page cache (its default is 1 GiB). Pages it drops are read back
 /// from the operating system's cache; recent records are in the overlay.
 const CACHE_BYTES: usize = 64 << 20;
@@ -1491,6 +1492,59 @@ mod tests {
         assert!(matches!(replay.await.unwrap(), Claim::Completed { .. }));
         let conflict = store.claim(&held, &fingerprint, Owner::new(), lease, None);
         assert!(matches!(conflict.await.unwrap(), Claim::InFlight { .. }));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failure_lets_go_of_a_writer_waiting_on_a_checkpoint() {
+        use crate::store::StoredResponse;
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&dir.path().join("w.redb")).unwrap();
+        // The checkpoint thread waits for this transaction: checkpoints hang.
+        let blocker = store.shared.db.begin_write().unwrap();
+        let body = Bytes::from(vec![b'z'; 100 * 1024]);
+        let (fingerprint, ttl) = (Fingerprint([1; 32]), Duration::from_secs(60));
+        let answer = || {
+            Outcome::Response(Arc::new(StoredResponse::new(
+                http::StatusCode::OK,
+                &[],
+                std::slice::from_ref(&body),
+            )))
+        };
+        let put = |i: u8| {
+            let (store, outcome) = (&store, answer());
+            async move {
+                let (key, owner) = (RecordKey([i; 32]), Owner::new());
+                store.claim(&key, &fingerprint, owner, ttl, None).await.unwrap();
+                assert!(store.complete(&key, &fingerprint, owner, outcome, ttl).await.unwrap());
+            }
+        };
+        // One checkpoint due and handed over (it hangs), then the overlay
+        // past its limit: the writer waits for that checkpoint, and a write
+        // gets no answer.
+        put(0).await;
+        tokio::time::sleep(CHECKPOINT_EVERY + Duration::from_millis(50)).await;
+        put(1).await;
+        tokio::time::sleep(CHECKPOINT_EVERY + Duration::from_millis(50)).await;
+        let mut answered = 2;
+        while tokio::time::timeout(Duration::from_millis(500), put(answered))
+            .await
+            .is_ok()
+        {
+            answered += 1;
+            assert!(answered < 100, "the writer never waited");
+        }
+        let claim = |i: u8| {
+            let store = &store;
+            async move {
+                let key = RecordKey([i; 32]);
+                store.claim(&key, &fingerprint, Owner::new(), ttl, None).await
+            }
+        };
+
+        store.shared.fail("a checkpoint failed (in a test)".into());
+        let refused = tokio::time::timeout(Duration::from_secs(2), claim(52)).await;
+        assert!(refused.expect("the writer still waits").is_err());
+        blocker.abort().unwrap();
     }
 
     #[test]
