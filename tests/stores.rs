@@ -233,6 +233,79 @@ async fn a_waiter_on_one_replica_is_woken_by_the_other_on_a_cluster() {
     assert_eq!(upstream.hits(), 1);
 }
 
+/// A TCP forwarder to `target`, as a virtual address or a DNS name of a
+/// primary is: new connections go where `target` says now, made ones stay.
+async fn virtual_address(target: Arc<std::sync::Mutex<u16>>) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let (mut client, _) = listener.accept().await.unwrap();
+            let to = *target.lock().unwrap();
+            tokio::spawn(async move {
+                if let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", to)).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_failover_behind_one_address_is_followed_without_a_restart() {
+    let (old, new) = (RedisServer::start(), RedisServer::start());
+    let target = Arc::new(std::sync::Mutex::new(old.port));
+    let port = virtual_address(target.clone()).await;
+    let upstream = Upstream::created().await;
+    let store = redis_store(&format!("redis://127.0.0.1:{port}/0"));
+    let proxy = Proxy::start_with_store(&upstream.url(), ROUTE, store).await;
+    let client = TestClient::default();
+    let ready = format!("http://{}/readyz", proxy.admin.unwrap());
+    assert_eq!(
+        client.post(&proxy.url("/v1/orders"), "before", "{}").await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(client.send("GET", &ready, &[], "").await.status, StatusCode::OK);
+
+    // The failover: the old primary becomes the new one's replica, and the
+    // address now leads to the new one. The old stays up and keeps its
+    // connections.
+    old.cli(&["replicaof", "127.0.0.1", &new.port.to_string()]).unwrap();
+    *target.lock().unwrap() = new.port;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut n = 0;
+    loop {
+        n += 1;
+        let answer = client.post(&proxy.url("/v1/orders"), &format!("after{n}"), "{}").await;
+        if answer.status == StatusCode::CREATED {
+            break;
+        }
+        assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{}", answer.text());
+        assert!(Instant::now() < deadline, "still no claim through the new primary");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        new.cli(&["dbsize"]).unwrap().trim() != "0",
+        "the claim went to the new primary"
+    );
+    // Each thread's connection finds out on its own (ready again within
+    // a second of its READONLY).
+    while client.send("GET", &ready, &[], "").await.status != StatusCode::OK {
+        assert!(Instant::now() < deadline, "/readyz never recovered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(upstream.hits(), 2);
+
+    // A store on the replica itself is not ready: it would take no claim.
+    let on_replica = Proxy::start_with_store(&upstream.url(), ROUTE, redis_store(&old.url())).await;
+    let ready = format!("http://{}/readyz", on_replica.admin.unwrap());
+    assert_eq!(
+        client.send("GET", &ready, &[], "").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_outage_is_503_at_once_and_recovers_by_itself() {
     let mut redis = RedisServer::start();

@@ -808,14 +808,24 @@ impl Store for RedisStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        let peek = || self.eval::<Option<(Vec<u8>, i64)>>(&self.scripts.peek, b"idemgate:{ping}", &[]);
+        // A write, as a claim is: a server that answers but is a replica
+        // (after a failover), or out of memory, takes no claim.
+        let probe = || async {
+            let mut command = redis::cmd("SET");
+            command.arg("idemgate:{ping}").arg(1).arg("PX").arg(10_000);
+            self.connection()
+                .await?
+                .query::<()>(&command)
+                .await
+                .map_err(unavailable)
+        };
         // A connection that broke while Redis was away fails its first
         // command and reconnects: ask twice before calling Redis down.
-        if peek().await.is_ok() {
+        if probe().await.is_ok() {
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
-        peek().await.map(drop)
+        probe().await
     }
 }
 

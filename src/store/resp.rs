@@ -278,6 +278,12 @@ impl Backoff {
         ))
     }
 
+    /// No connect for `wait`, for `why`; the count of failures stays.
+    pub(super) fn hold(&mut self, why: String, wait: Duration) {
+        self.retry_at = Some(std::time::Instant::now() + wait);
+        self.why = why;
+    }
+
     /// A connect failed, for `why`.
     pub(super) fn failed(&mut self, why: String) {
         self.failed = self.failed.saturating_add(1);
@@ -625,9 +631,33 @@ async fn read<R: AsyncRead + Unpin>(ends: EndsWith, mut source: R) {
             }
             slots.extend(state.waiting.drain(..answers.len()));
         }
+        // A server that became a replica (a failover behind a name or a
+        // virtual address) answers every write READONLY and keeps the
+        // connection: drop it, so the next connect finds the primary.
+        let demoted = answers.iter().any(read_only);
         for (slot, answer) in slots.drain(..).zip(answers.drain(..)) {
             let _ = slot.send(Ok(answer));
         }
+        if demoted {
+            let why = "the Redis server is a read-only replica (failed over?)".to_owned();
+            lock(&shared.state).backoff.hold(why.clone(), DEMOTED_WAIT);
+            return shared.fail(epoch, &broken(why));
+        }
+    }
+}
+
+/// How long after a READONLY answer the next connect waits: a replica is
+/// asked at most once a second whether it is the primary again, and a
+/// failover's new primary is used within a second.
+const DEMOTED_WAIT: Duration = Duration::from_secs(1);
+
+/// Whether `answer` is, or holds (a script's `pcall` results), a READONLY
+/// error.
+fn read_only(answer: &Value) -> bool {
+    match answer {
+        Value::ServerError(error) => error.kind() == Some(redis::ServerErrorKind::ReadOnly),
+        Value::Array(items) => items.iter().any(read_only),
+        _ => false,
     }
 }
 
