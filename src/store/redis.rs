@@ -182,9 +182,13 @@ if string.byte(v, 2) == 0 and string.len(v) == 50 then redis.call('APPEND', KEYS
 return {v, redis.call('PTTL', KEYS[1])}
 ";
 
+/// Deletes the record if it is still the one read before (ARGV[1]; a
+/// waiter's mark appended since does not count), so a purge the cluster
+/// client sends again after a lost answer cannot delete a newer claim.
 const PURGE: &str = r"
 local v = redis.call('GET', KEYS[1])
 if not v then return 0 end
+if v ~= ARGV[1] and v ~= ARGV[1] .. 'w' then return 0 end
 redis.call('DEL', KEYS[1])
 if string.byte(v, 2) ~= 0 then return 1 end
 ";
@@ -561,6 +565,12 @@ impl RedisStore {
         }
     }
 
+    /// Purges the record under `key` if it is still `record`.
+    async fn purge_exact(&self, key: &RedisKey, record: &[u8]) -> Result<bool, StoreError> {
+        let removed: i64 = self.eval(&self.scripts.purge, key.as_bytes(), &[record]).await?;
+        Ok(removed == 1)
+    }
+
     /// Claims with `SET key claim NX PX lease GET`: one native command, no
     /// script to run. Servers before Redis 7 refuse NX with GET; then the
     /// claim script is used from there on.
@@ -801,10 +811,14 @@ impl Store for RedisStore {
     }
 
     async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        let removed: i64 = self
-            .eval(&self.scripts.purge, RedisKey::of(key).as_bytes(), &[])
-            .await?;
-        Ok(removed == 1)
+        let redis_key = RedisKey::of(key);
+        let mut read = redis::cmd("GET");
+        read.arg(redis_key.as_bytes());
+        let found: Option<Vec<u8>> = self.connection().await?.query(&read).await.map_err(unavailable)?;
+        match found {
+            None => Ok(false),
+            Some(record) => self.purge_exact(&redis_key, &record).await,
+        }
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -945,6 +959,54 @@ mod tests {
         assert!(text.contains("unknown command 'EVALSHA'"), "{text}");
         assert!(!text.contains("SECRET") && !text.contains("9a7b"), "{text}");
         assert!(matches!(error, StoreError::Unavailable(_)));
+    }
+
+    #[tokio::test]
+    async fn a_purge_sent_again_leaves_a_newer_record_alone() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        // Killed however the test ends: a server left running would keep
+        // the test's output open.
+        struct Server(std::process::Child);
+        impl Drop for Server {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let _server = Server(
+            std::process::Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("redis-server must be installed (apt-get install redis-server)"),
+        );
+        let store = RedisStore::single(&format!("redis://127.0.0.1:{port}/0"), Duration::from_secs(2)).unwrap();
+        let (key, fingerprint) = (RecordKey([5; 32]), Fingerprint([1; 32]));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while store.ping().await.is_err() {
+            assert!(std::time::Instant::now() < deadline, "redis-server did not start");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let lease = Duration::from_secs(30);
+        assert_eq!(
+            store
+                .claim(&key, &fingerprint, Owner::new(), lease, None)
+                .await
+                .unwrap(),
+            Claim::Claimed
+        );
+        // The first purge read an earlier record: a newer claim stays.
+        let earlier = codec::in_flight(&fingerprint, Owner::new());
+        assert!(!store.purge_exact(&RedisKey::of(&key), &earlier).await.unwrap());
+        assert!(store.inspect(&key).await.unwrap().is_some());
+        assert!(store.purge(&key).await.unwrap());
+        assert!(store.inspect(&key).await.unwrap().is_none());
+        assert!(!store.purge(&key).await.unwrap());
     }
 
     #[test]
