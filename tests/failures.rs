@@ -158,16 +158,7 @@ async fn answers_that_ask_for_a_retry_later_are_never_replayed() {
         _ => Reply::created(hit),
     })
     .await;
-    let proxy = Proxy::start(
-        &upstream.url(),
-        r#"
-[[route]]
-name = "orders"
-path = "/v1/orders"
-on_server_error = "store"
-"#,
-    )
-    .await;
+    let proxy = Proxy::start(&upstream.url(), &route("on_server_error = \"store\"")).await;
     let client = TestClient::default();
     for (key, refused) in [("a", 429), ("b", 408), ("c", 425)] {
         let first = client.post(&proxy.url("/v1/orders"), key, "").await;

@@ -1309,6 +1309,16 @@ impl Checkpointer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::StoredResponse;
+
+    /// A 200 answer with `body`, as the gateway records one.
+    fn answer(body: &Bytes) -> Outcome {
+        Outcome::Response(Arc::new(StoredResponse::new(
+            http::StatusCode::OK,
+            &[],
+            std::slice::from_ref(body),
+        )))
+    }
 
     #[test]
     fn the_clock_runs_on_the_monotonic_clock_from_the_wall_clock_at_start() {
@@ -1411,7 +1421,6 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_log_grows_past_its_segment_while_no_new_one_can_be_made() {
-        use crate::store::StoredResponse;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("g.redb");
         let blocked = [
@@ -1424,23 +1433,18 @@ mod tests {
         let store = EmbeddedStore::open(&path).unwrap();
         let body = Bytes::from(vec![b'y'; 100 * 1024]);
         let key = |i: u8| {
-            RecordKey([
-                i, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9,
-            ])
+            let mut key = [9; 32];
+            key[0] = i;
+            RecordKey(key)
         };
         let (fingerprint, ttl) = (Fingerprint([1; 32]), Duration::from_secs(60));
         for i in 0..200 {
             let owner = Owner::new();
             let claimed = store.claim(&key(i), &fingerprint, owner, ttl, None).await.unwrap();
             assert_eq!(claimed, Claim::Claimed);
-            let outcome = Outcome::Response(Arc::new(StoredResponse::new(
-                http::StatusCode::OK,
-                &[],
-                std::slice::from_ref(&body),
-            )));
             assert!(
                 store
-                    .complete(&key(i), &fingerprint, owner, outcome, ttl)
+                    .complete(&key(i), &fingerprint, owner, answer(&body), ttl)
                     .await
                     .unwrap()
             );
@@ -1470,12 +1474,10 @@ mod tests {
         let (done, fingerprint, owner) = (RecordKey([7; 32]), Fingerprint([1; 32]), Owner::new());
         let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
         store.claim(&done, &fingerprint, owner, lease, None).await.unwrap();
-        assert!(
-            store
-                .complete(&done, &fingerprint, owner, Outcome::Unknown, ttl)
-                .await
-                .unwrap()
-        );
+        // An answer (not an outcome): only its replay refreshes the TTL,
+        // through the writer.
+        let outcome = answer(&Bytes::from_static(b"done"));
+        assert!(store.complete(&done, &fingerprint, owner, outcome, ttl).await.unwrap());
         let held = RecordKey([8; 32]);
         store
             .claim(&held, &fingerprint, Owner::new(), lease, None)
@@ -1496,22 +1498,14 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failure_lets_go_of_a_writer_waiting_on_a_checkpoint() {
-        use crate::store::StoredResponse;
         let dir = tempfile::tempdir().unwrap();
         let store = EmbeddedStore::open(&dir.path().join("w.redb")).unwrap();
         // The checkpoint thread waits for this transaction: checkpoints hang.
         let blocker = store.shared.db.begin_write().unwrap();
         let body = Bytes::from(vec![b'z'; 100 * 1024]);
         let (fingerprint, ttl) = (Fingerprint([1; 32]), Duration::from_secs(60));
-        let answer = || {
-            Outcome::Response(Arc::new(StoredResponse::new(
-                http::StatusCode::OK,
-                &[],
-                std::slice::from_ref(&body),
-            )))
-        };
         let put = |i: u8| {
-            let (store, outcome) = (&store, answer());
+            let (store, outcome) = (&store, answer(&body));
             async move {
                 let (key, owner) = (RecordKey([i; 32]), Owner::new());
                 store.claim(&key, &fingerprint, owner, ttl, None).await.unwrap();
@@ -1681,7 +1675,6 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn batches_of_large_answers_keep_segments_near_their_size() {
-        use crate::store::StoredResponse;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("big.redb");
         let store = Arc::new(EmbeddedStore::open(&path).unwrap());
@@ -1702,8 +1695,7 @@ mod tests {
                             .claim(&key, &Fingerprint([1; 32]), owner, Duration::from_secs(30), None)
                             .await
                             .unwrap();
-                        let outcome =
-                            Outcome::Response(Arc::new(StoredResponse::new(http::StatusCode::OK, &[], &[body])));
+                        let outcome = answer(&body);
                         assert!(
                             store
                                 .complete(&key, &Fingerprint([1; 32]), owner, outcome, Duration::from_secs(30))
