@@ -446,14 +446,16 @@ pub trait Store: Send + Sync + 'static {
     /// is not in flight. Never polls in a loop.
     async fn wait(&self, key: &RecordKey, timeout: Duration) -> Result<(), StoreError>;
 
-    /// Whether the store answers.
+    /// Whether the store answers and would take a claim (`/readyz`): a
+    /// failed embedded store or a Redis replica is not ready.
     async fn ping(&self) -> Result<(), StoreError>;
 
     /// The record under `key` and its time left, for operators.
     async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError>;
 
     /// Removes the record under `key`, whoever holds it (an operator's
-    /// purge of a stuck claim), and wakes its waiters.
+    /// purge of a stuck claim), and wakes its waiters; `false` when there
+    /// was none (an expired record counts as none).
     async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError>;
 
     /// Bytes of records held in this process, for stores that hold them.
