@@ -139,6 +139,33 @@ fn health(path: &Path) -> anyhow::Result<()> {
     admin(path, http::Method::GET, "/healthz")
 }
 
+/// Raises the soft limit on open files to the hard one, as Go's runtime
+/// does and nginx's `worker_rlimit_nofile` lets operators: each request
+/// in flight holds a client and an upstream socket, and a soft limit of
+/// 1024, a common default, would stop accepting at a few hundred clients.
+/// The hard limit is the operator's (`ulimit -Hn`, systemd's
+/// `LimitNOFILE`); a failure leaves the soft one as it was.
+#[cfg(target_os = "linux")]
+fn raise_open_files_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if let (Some(soft), Some(hard)) = (limit.current, limit.maximum)
+        && soft < hard
+    {
+        let raised = rustix::process::Rlimit {
+            current: Some(hard),
+            maximum: Some(hard),
+        };
+        match setrlimit(Resource::Nofile, raised) {
+            Ok(()) => tracing::debug!(from = soft, to = hard, "open files limit raised"),
+            Err(error) => tracing::warn!(%error, limit = soft, "cannot raise the open files limit"),
+        }
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn raise_open_files_limit() {}
+
 /// Runs `server.workers` accept loops, each a single-threaded runtime on a
 /// thread of its own with its own socket on the shared port (SO_REUSEPORT),
 /// like nginx's workers: a request never crosses threads on its way through.
@@ -148,6 +175,7 @@ fn serve(path: &Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     idemgate::telemetry::init();
     server::check(&config).with_context(|| path.display().to_string())?;
+    raise_open_files_limit();
     let workers = config.server.workers;
     // Runs the store's background tasks (expiry sweeps, Redis subscriptions)
     // and the signal handling. Thread names fit the 15 bytes Linux keeps

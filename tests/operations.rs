@@ -650,3 +650,57 @@ async fn the_admin_listener_closes_connections_that_send_nothing() {
         assert_eq!(seen.starts_with("HTTP/1.1 200"), sent.ends_with("\r\n\r\n"), "{seen}");
     }
 }
+
+/// Each request in flight holds a client and an upstream socket: under a
+/// soft limit of 64 open files, as started, idemgate could take only a few
+/// dozen clients at once. It raises the soft limit to the hard one.
+#[tokio::test]
+async fn hundreds_of_clients_fit_though_started_under_a_low_open_files_limit() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const CLIENTS: usize = 300;
+    let mut hard = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes only the struct it is given.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut hard) }, 0);
+    if hard.rlim_max < 4 * CLIENTS as u64 {
+        eprintln!(
+            "skipped: the hard open files limit, {}, is below what the test needs",
+            hard.rlim_max
+        );
+        return;
+    }
+    let upstream = Upstream::created().await;
+    let toml = format!("[store]\nbackend = \"memory\"\n{}", support::ORDERS);
+    let binary = Binary::start_with_open_files_limit(&upstream.url(), &toml, 64).await;
+    // Every client connects and sends before any answer is read, and keeps
+    // its connection open after its answer.
+    let mut streams = Vec::with_capacity(CLIENTS);
+    for i in 0..CLIENTS {
+        let mut stream = tokio::net::TcpStream::connect(binary.addr).await.unwrap();
+        let wire =
+            format!("POST /v1/orders HTTP/1.1\r\nhost: x\r\nidempotency-key: fd-{i}\r\ncontent-length: 2\r\n\r\n{{}}");
+        stream.write_all(wire.as_bytes()).await.unwrap();
+        streams.push(stream);
+    }
+    let answers = streams.iter_mut().map(|stream| async move {
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = stream.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed before an answer");
+            seen.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&seen).into_owned()
+    });
+    let answers = tokio::time::timeout(Duration::from_secs(5), futures_util::future::join_all(answers))
+        .await
+        .expect("some clients were never answered");
+    assert!(
+        answers.iter().all(|head| head.starts_with("HTTP/1.1 201")),
+        "{:?}",
+        answers[0]
+    );
+    assert_eq!(upstream.hits(), CLIENTS);
+}

@@ -316,8 +316,9 @@ impl Server {
                 accepted = listener.accept() => match accepted {
                     Ok(accepted) => accepted,
                     Err(error) => {
-                        // Out of file descriptors and the like: back off briefly.
-                        tracing::warn!(%error, "accept failed");
+                        // Out of file descriptors and the like: back off
+                        // briefly, and say so once a second, not 50 times.
+                        crate::telemetry::warn_throttled!(error, "accept failed", listener = "proxy");
                         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                         continue;
                     }

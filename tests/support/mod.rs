@@ -479,6 +479,32 @@ impl Binary {
         .await
     }
 
+    /// As [`Binary::start`], with the soft limit on open files at `soft`
+    /// (the hard limit left as it is).
+    pub async fn start_with_open_files_limit(upstream: &str, toml: &str, soft: u64) -> Binary {
+        Binary::start_with_command(upstream, toml, |command| {
+            // SAFETY: between fork and exec only async-signal-safe calls
+            // are made (getrlimit, setrlimit), and nothing is allocated.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(command, move || {
+                    let mut limit = libc::rlimit {
+                        rlim_cur: 0,
+                        rlim_max: 0,
+                    };
+                    if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    limit.rlim_cur = soft.min(limit.rlim_max);
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        })
+        .await
+    }
+
     async fn start_with_command(
         upstream: &str,
         toml: &str,
