@@ -252,6 +252,82 @@ async fn virtual_address(target: Arc<std::sync::Mutex<u16>>) -> u16 {
     port
 }
 
+/// A port that forwards to `target`, holding each chunk the client sends
+/// for `delay` first: a store that takes that long to answer.
+async fn slow_address(target: u16, delay: Duration) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let (client, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await else {
+                    return;
+                };
+                let ((mut client_reads, mut client_writes), (mut server_reads, mut server_writes)) =
+                    (client.into_split(), server.into_split());
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut server_reads, &mut client_writes).await;
+                });
+                let mut buf = vec![0u8; 64 << 10];
+                while let Ok(n @ 1..) = client_reads.read(&mut buf).await {
+                    tokio::time::sleep(delay).await;
+                    if server_writes.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+/// A loopback address that never completes a connection: a listener whose
+/// accept queue is full, kept alive with its queue.
+fn unanswering() -> (String, socket2::Socket, Vec<std::net::TcpStream>) {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket
+        .bind(&"127.0.0.2:0".parse::<std::net::SocketAddr>().unwrap().into())
+        .unwrap();
+    socket.listen(0).unwrap();
+    let addr = socket.local_addr().unwrap().as_socket().unwrap();
+    let mut queued = Vec::new();
+    for _ in 0..8 {
+        match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)) {
+            Ok(stream) => queued.push(stream),
+            Err(_) => break,
+        }
+    }
+    (format!("http://{addr}"), socket, queued)
+}
+
+/// The upstream's deadline runs from when the request is sent, not from
+/// when the claim was: with a store that answers in 600 ms and
+/// `upstream.timeout` of 1 s, an upstream that cannot be reached (its
+/// connect capped at 500 ms) is "never sent" and released, not a timeout
+/// after sending, which `on_upstream_failure = "unknown"` would keep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_claim_does_not_turn_an_unreachable_upstream_into_a_sent_request() {
+    let redis = RedisServer::start();
+    let port = slow_address(redis.port, Duration::from_millis(600)).await;
+    let store = redis_store_within(&format!("redis://127.0.0.1:{port}/0"), Duration::from_secs(3));
+    let (unreachable, _socket, _queued) = unanswering();
+    let config = format!("[upstream]\ntimeout = \"1s\"\n{ROUTE}on_upstream_failure = \"unknown\"\n");
+    let proxy = Proxy::start_with_store(&unreachable, &config, store).await;
+    let client = TestClient::default();
+    for attempt in 0..2 {
+        let answer = client.post(&proxy.url("/v1/orders"), "k", "{}").await;
+        assert_eq!(
+            answer.status,
+            StatusCode::BAD_GATEWAY,
+            "attempt {attempt}: {}",
+            answer.text()
+        );
+        assert_eq!(answer.problem(), "upstream-unavailable", "attempt {attempt}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_failover_behind_one_address_is_followed_without_a_restart() {
     let (old, new) = (RedisServer::start(), RedisServer::start());

@@ -50,8 +50,10 @@ pub struct Exchange {
     pub key: RecordKey,
     pub fingerprint: Fingerprint,
     pub owner: Owner,
-    /// When the store answered the claim: the lease runs from here.
+    /// When the claim was sent: the lease runs from here.
     pub claimed_at: Instant,
+    /// When the store answered it: the upstream's deadline runs from here.
+    pub answered_at: Instant,
     pub request: Request<ClientBody>,
     pub timeout: Duration,
     /// How long the client may stall a streamed answer.
@@ -419,6 +421,7 @@ impl Exchange {
             fingerprint,
             owner,
             claimed_at,
+            answered_at,
             request,
             timeout,
             client_timeout,
@@ -432,8 +435,9 @@ impl Exchange {
             policy.lock_timeout,
             claimed_at,
         );
-        // One clock reading for the lease, the deadline and the latency.
-        let started = guard.claimed_at;
+        // The claim's answer is when the request goes: the deadline and
+        // the latency run from there.
+        let started = answered_at;
         let deadline = started + timeout;
         let sent = guard
             .renewing_until(deadline, std::pin::pin!(context.client.request(request, OnStale::Fail)))

@@ -375,8 +375,12 @@ impl Gateway {
             armed: true,
         };
         // When the claim was sent: the lease's start, as the store may have
-        // taken it at any moment after, however late its answer comes.
-        let claimed_at = loop {
+        // taken it at any moment after, however late its answer comes. And
+        // when it was answered: the upstream's deadline runs from there, so
+        // a slow store does not eat into it (`connect_timeout`, capped at
+        // half of it, must end first: a request that never left is
+        // released, and never taken for one the upstream may have seen).
+        let (claimed_at, answered_at) = loop {
             unsettled.armed = true;
             let started = Instant::now();
             let claim = self
@@ -390,7 +394,7 @@ impl Gateway {
             // store handle has released whatever a failed call may have taken.
             unsettled.armed = false;
             let problem = match claim {
-                Ok(Claim::Claimed) => break started,
+                Ok(Claim::Claimed) => break (started, answered),
                 Ok(Claim::InFlight { fingerprint: f, .. } | Claim::Completed { fingerprint: f, .. })
                     if f != fingerprint =>
                 {
@@ -489,6 +493,7 @@ impl Gateway {
                 fingerprint,
                 owner,
                 claimed_at,
+                answered_at,
                 request,
                 timeout: self.config.upstream.timeout,
                 client_timeout: self.config.server.header_read_timeout,
