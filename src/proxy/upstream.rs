@@ -84,7 +84,8 @@ pub enum UpstreamError {
 }
 
 impl UpstreamError {
-    /// The request never reached the upstream: no connection was made.
+    /// The request never reached the upstream: no connection was made, or
+    /// not a byte of the request went into a new one.
     pub fn is_connect(&self) -> bool {
         matches!(self, UpstreamError::Connect(_))
     }
@@ -347,7 +348,7 @@ impl UpstreamClient {
                 .ok_or(UpstreamError::Protocol("the upstream URI has no authority"))?,
             idle_timeout: self.inner.idle_timeout,
         };
-        let (mut conn, pooled) = match checkout(&key) {
+        let (mut conn, mut pooled) = match checkout(&key) {
             Some(conn) => (conn, true),
             // Boxed: a new connection is rare, and its future (a TLS
             // handshake's) would otherwise double this one's size.
@@ -366,19 +367,37 @@ impl UpstreamClient {
         let (response, framing, keep_alive) = loop {
             let sent = match write_request(&mut conn, &parts, &key.authority, body).await {
                 Ok(()) => read_head(&mut conn, head_only).await,
+                // Not a byte of the request left: a pooled connection the
+                // upstream reset or closed before the runtime noticed is
+                // safe to replace, whatever the method (as Go's transport
+                // does); a new one means the upstream cannot be reached.
+                Err(WriteFailure::Unsent(error, unsent)) => {
+                    if !pooled {
+                        return Err(UpstreamError::Connect(error));
+                    }
+                    tracing::debug!(%error, "a pooled upstream connection refused the request; sending it on a new one");
+                    body = unsent;
+                    pooled = false;
+                    // Boxed: rare, as below.
+                    conn = Box::pin(self.connect(&key)).await?;
+                    continue;
+                }
                 // An upstream may answer before it has read the whole body
                 // (a 413, a 401) and then close, so the write fails: its
                 // answer, if it came first, stands (RFC 9112 §9.3). (Boxed:
                 // rare, and the wait would otherwise make every request's
                 // future larger.)
-                Err(UpstreamError::Io(error)) => Box::pin(early_answer(&mut conn, head_only, error)).await,
-                Err(error) => Err(error),
+                Err(WriteFailure::Sent(UpstreamError::Io(error))) => {
+                    Box::pin(early_answer(&mut conn, head_only, error)).await
+                }
+                Err(WriteFailure::Sent(error)) => Err(error),
             };
             match sent {
                 Ok(head) => break head,
                 Err(UpstreamError::Io(error)) if conn.buf.is_empty() && again.is_some() => {
                     tracing::debug!(%error, "a pooled upstream connection was closed; sending again on a new one");
                     body = again.take().expect("checked in the guard");
+                    pooled = false;
                     // Boxed: rare, as above.
                     conn = Box::pin(self.connect(&key)).await?;
                 }
@@ -519,30 +538,70 @@ async fn early_answer(
     }
 }
 
+/// How writing a request failed.
+enum WriteFailure {
+    /// Not a byte of it left (the body is handed back unread).
+    Unsent(io::Error, ClientBody),
+    /// Some of it may have reached the upstream.
+    Sent(UpstreamError),
+}
+
+impl From<UpstreamError> for WriteFailure {
+    fn from(error: UpstreamError) -> WriteFailure {
+        WriteFailure::Sent(error)
+    }
+}
+
+impl From<io::Error> for WriteFailure {
+    fn from(error: io::Error) -> WriteFailure {
+        WriteFailure::Sent(UpstreamError::Io(error))
+    }
+}
+
+/// Writes the first bytes of a request, `buf`, whole. On a plain
+/// connection the first write tells whether the socket took anything: one
+/// that fails has sent nothing (`Ok(Err(_))`). Through TLS an error may
+/// come after some records went out, so it counts as sent.
+async fn write_first(stream: &mut Stream, buf: &[u8]) -> io::Result<Result<(), io::Error>> {
+    let taken = match stream {
+        Stream::Plain(tcp) => match tcp.write(buf).await {
+            Ok(0) => return Ok(Err(io::ErrorKind::WriteZero.into())),
+            Ok(n) => n,
+            Err(error) => return Ok(Err(error)),
+        },
+        Stream::Tls(_) => 0,
+    };
+    stream.write_all(&buf[taken..]).await.map(Ok)
+}
+
 async fn write_request(
     conn: &mut Conn,
     parts: &http::request::Parts,
     authority: &Authority,
     body: ClientBody,
-) -> Result<(), UpstreamError> {
-    let io = UpstreamError::Io;
+) -> Result<(), WriteFailure> {
     match body {
         ClientBody::Whole(bytes) => {
-            let bytes = bytes.unwrap_or_default();
-            let mut head = encode_head(parts, authority, Some(bytes.len() as u64));
-            if bytes.len() <= COALESCE {
-                head.extend_from_slice(&bytes);
-                conn.stream.write_all(&head).await.map_err(io)?;
-            } else {
-                conn.stream.write_all(&head).await.map_err(io)?;
-                conn.stream.write_all(&bytes).await.map_err(io)?;
+            let whole = bytes.as_deref().unwrap_or_default();
+            let mut head = encode_head(parts, authority, Some(whole.len() as u64));
+            let coalesced = whole.len() <= COALESCE;
+            if coalesced {
+                head.extend_from_slice(whole);
+            }
+            if let Err(error) = write_first(&mut conn.stream, &head).await? {
+                return Err(WriteFailure::Unsent(error, ClientBody::Whole(bytes)));
+            }
+            if !coalesced {
+                conn.stream.write_all(whole).await?;
             }
             reuse_head(head);
         }
         mut streamed => {
             let length = streamed.size_hint().exact();
             let head = encode_head(parts, authority, length);
-            conn.stream.write_all(&head).await.map_err(io)?;
+            if let Err(error) = write_first(&mut conn.stream, &head).await? {
+                return Err(WriteFailure::Unsent(error, streamed));
+            }
             reuse_head(head);
             while let Some(frame) = streamed.frame().await {
                 let frame = frame.map_err(UpstreamError::RequestBody)?;
@@ -557,17 +616,18 @@ async fn write_request(
                     chunk.extend_from_slice(b"\r\n");
                     chunk.extend_from_slice(&data);
                     chunk.extend_from_slice(b"\r\n");
-                    conn.stream.write_all(&chunk).await.map_err(io)?;
+                    conn.stream.write_all(&chunk).await?;
                 } else {
-                    conn.stream.write_all(&data).await.map_err(io)?;
+                    conn.stream.write_all(&data).await?;
                 }
             }
             if length.is_none() {
-                conn.stream.write_all(b"0\r\n\r\n").await.map_err(io)?;
+                conn.stream.write_all(b"0\r\n\r\n").await?;
             }
         }
     }
-    conn.stream.flush().await.map_err(io)
+    conn.stream.flush().await?;
+    Ok(())
 }
 
 /// How a response body ends.
@@ -893,6 +953,67 @@ mod tests {
         drop(peer);
         let (mut quiet, _peer) = idle_conn(|_| {}).await;
         assert!(quiet.usable(Duration::from_secs(4)));
+    }
+
+    /// A pooled connection the upstream reset a moment ago, before the
+    /// runtime looked at it again, refuses the request's first write: not
+    /// a byte left, so even a POST under `OnStale::Fail` (a claimed one)
+    /// goes on a new connection.
+    #[tokio::test]
+    async fn a_request_no_byte_of_which_left_goes_on_a_new_connection() {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let config = UpstreamConfig {
+            url: format!("http://{addr}").parse().unwrap(),
+            connect_timeout: Duration::from_secs(2),
+            timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            ca: None,
+        };
+        let upstream = client(&config).unwrap();
+        let key = PoolKey {
+            client: upstream.inner.id,
+            runtime: Some(tokio::runtime::Handle::current().id()),
+            https: false,
+            authority: config.url.authority().unwrap().clone(),
+            idle_timeout: config.idle_timeout,
+        };
+        let post = || {
+            Request::post(format!("http://{addr}/orders"))
+                .body(ClientBody::Whole(Some(Bytes::from_static(b"{}"))))
+                .unwrap()
+        };
+
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let (peer, _) = listener.accept().unwrap();
+        // The next connection is answered, once.
+        let served = std::thread::spawn(move || {
+            let (mut next, _) = listener.accept().unwrap();
+            let mut seen = [0u8; 1024];
+            let n = next.read(&mut seen).unwrap();
+            next.write_all(b"HTTP/1.1 201 Created\r\ncontent-length: 0\r\n\r\n")
+                .unwrap();
+            (String::from_utf8_lossy(&seen[..n]).into_owned(), listener)
+        });
+        // No `.await` from here to the request: the runtime never sees the
+        // reset before the connection is taken from the pool.
+        socket2::SockRef::from(&peer).set_linger(Some(Duration::ZERO)).unwrap();
+        drop(peer);
+        std::thread::sleep(Duration::from_millis(20));
+        checkin(
+            key,
+            Conn {
+                stream: Stream::Plain(tcp),
+                buf: BytesMut::new(),
+                idle_since: coarse_now(),
+            },
+        );
+        let answer = upstream.request(post(), OnStale::Fail).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::CREATED);
+        let (seen, listener) = served.join().unwrap();
+        assert!(seen.starts_with("POST /orders HTTP/1.1\r\n"), "{seen}");
+        drop((answer, listener));
     }
 
     #[tokio::test]
