@@ -39,6 +39,9 @@ fn script(path: &str) -> (&'static [u8], bool) {
             b"HTTP/1.1 304 Not Modified\r\ncontent-length: 7, 7\r\ncontent-length: 7\r\n\r\n",
             false,
         ),
+        // A length with a body, spelled as a list: one number downstream,
+        // as HTTP/2 clients take no other (recorded and replayed so too).
+        "/listed-length" => (b"HTTP/1.1 200 OK\r\ncontent-length: 6, 6\r\n\r\nlisted", false),
         // Both: transfer-encoding wins, and content-length must not reach
         // the client beside a body of another length.
         "/both" => (
@@ -571,4 +574,27 @@ async fn idle_connections_close_after_idle_timeout_without_further_traffic() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(upstream.connections.load(Ordering::SeqCst), 1);
+}
+
+/// A body's `Content-Length` spelled as a list (RFC 9110 §8.6 lets a
+/// recipient read it as one) reaches HTTP/2 clients as one number, which
+/// is all they take, first from the upstream and then from the record.
+#[tokio::test]
+async fn a_listed_content_length_reaches_http2_clients_as_one_number() {
+    let route = "[[route]]\nname = \"listed\"\npath = \"/listed-length\"\nmethods = [\"GET\"]\n";
+    let (_upstream, proxy) = behind_proxy(route).await;
+    let client = support::h2_client();
+    for replayed in [false, true] {
+        let request = http::Request::get(proxy.url("/listed-length"))
+            .header("idempotency-key", "listed")
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(response.headers().contains_key("idempotent-replayed"), replayed);
+        let lengths: Vec<_> = response.headers().get_all("content-length").iter().collect();
+        assert_eq!(lengths, ["6"], "replayed: {replayed}");
+        let body = http_body_util::BodyExt::collect(response.into_body()).await.unwrap();
+        assert_eq!(body.to_bytes(), "listed");
+    }
 }

@@ -689,12 +689,13 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                         })?;
                     let (framing, keep_alive) = framing(&response, &noted, head_only, minor)?;
                     let headers = response.headers_mut();
-                    if matches!(framing, Framing::Empty)
-                        && !noted.plain_length()
+                    if !noted.plain_length()
                         && let Ok(Some(length)) = noted.content_length(headers)
                     {
-                        // Passed on with no body to measure: as one number,
-                        // however the upstream spelled it (RFC 9110 §8.6).
+                        // Passed on and recorded as one number, however the
+                        // upstream spelled it (RFC 9110 §8.6): HTTP/2
+                        // clients take no list, and a bodiless answer has
+                        // no body to measure it by again.
                         headers.insert(header::CONTENT_LENGTH, length.into());
                     }
                     if noted.transfer_encoding {
