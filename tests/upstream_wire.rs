@@ -316,6 +316,23 @@ async fn a_request_the_upstream_dropped_on_a_pooled_connection_goes_again_only_i
     assert_eq!((sent(), connections()), (6, 3));
 }
 
+/// The same over HTTP/2: a GET whose HEADERS end the stream has no body
+/// to hold back, and goes again as one over HTTP/1.1 does.
+#[tokio::test]
+async fn a_bodiless_http2_request_the_upstream_dropped_goes_again_too() {
+    let (upstream, proxy) = behind_proxy("").await;
+    let client = support::h2_client();
+    for _ in 0..2 {
+        let request = http::Request::get(proxy.url("/dropped"))
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    let sent = upstream.bodies.lock().unwrap().len();
+    assert_eq!((sent, upstream.connections.load(Ordering::SeqCst)), (3, 2));
+}
+
 #[tokio::test]
 async fn answers_in_transfer_codings_this_hop_cannot_pass_on_are_bad_gateways() {
     let (upstream, proxy) = behind_proxy(

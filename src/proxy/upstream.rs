@@ -357,10 +357,12 @@ impl UpstreamClient {
         let head_only = parts.method == Method::HEAD;
         // What to send again should the pooled connection turn out closed
         // (a whole body's bytes are shared, not copied).
+        let resend = pooled && on_stale == OnStale::Resend && parts.method.is_idempotent();
         let mut again = match &body {
-            ClientBody::Whole(bytes) if pooled && on_stale == OnStale::Resend && parts.method.is_idempotent() => {
-                Some(ClientBody::Whole(bytes.clone()))
-            }
+            ClientBody::Whole(bytes) if resend => Some(ClientBody::Whole(bytes.clone())),
+            // Ended before a byte was read (an HTTP/2 request whose HEADERS
+            // end the stream): as good as none.
+            other if resend && other.is_end_stream() => Some(ClientBody::Whole(None)),
             _ => None,
         };
         let mut body = body;
