@@ -97,6 +97,44 @@ forward_key_header = ""
     assert!(seen[1].headers.get("idempotency-key").is_none());
 }
 
+/// What shadow mode forwards though enforce would not (a retry, a key
+/// reused) and what a store that is down lets past with `on_error =
+/// "pass"` carry the key as a claimed request does: under
+/// `forward_key_header`, or not at all.
+#[tokio::test]
+async fn forwards_without_a_claim_carry_the_key_under_forward_key_header_too() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        r#"
+[defaults]
+forward_key_header = "X-Request-Key"
+mode = "shadow"
+[[route]]
+name = "orders"
+path = "/v1/orders"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    for body in ["{}", "{}", "{\"other\":1}"] {
+        client.post(&proxy.url("/v1/orders"), "abc", body).await;
+    }
+    for (i, seen) in upstream.seen().iter().enumerate() {
+        assert_eq!(seen.headers.get("x-request-key").unwrap(), "abc", "request {i}");
+        assert!(seen.headers.get("idempotency-key").is_none(), "request {i}");
+    }
+    assert_eq!(upstream.hits(), 3);
+
+    let store = support::redis::redis_store(&support::unreachable_url().replace("http", "redis"));
+    let toml = "[store]\non_error = \"pass\"\n[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\nforward_key_header = \"\"\n";
+    let passing = Proxy::start_with_store(&upstream.url(), toml, store).await;
+    let answer = client.post(&passing.url("/v1/orders"), "def", "{}").await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text());
+    let seen = upstream.seen();
+    assert!(seen[3].headers.get("idempotency-key").is_none());
+}
+
 #[tokio::test]
 async fn scope_keeps_clients_apart() {
     let upstream = Upstream::created().await;

@@ -316,6 +316,23 @@ async fn a_request_the_upstream_dropped_on_a_pooled_connection_goes_again_only_i
     assert_eq!((sent(), connections()), (6, 3));
 }
 
+/// A method a route takes is one the operator has said is not safe to
+/// repeat: forwarded without a claim (here a retry shadow mode lets
+/// through), it is not resent either when its pooled connection drops it.
+#[tokio::test]
+async fn a_put_a_route_takes_is_not_resent_when_forwarded_without_a_claim() {
+    let route = "[[route]]\nname = \"puts\"\npath = \"/dropped-claimed\"\nmethods = [\"PUT\"]\nmode = \"shadow\"\n";
+    let (upstream, proxy) = behind_proxy(route).await;
+    let client = TestClient::default();
+    let url = proxy.url("/dropped-claimed");
+    let put = || client.send("PUT", &url, &[("idempotency-key", "p1")], "{}");
+    assert_eq!(put().await.status, StatusCode::OK);
+    let again = put().await;
+    assert_eq!(again.status, StatusCode::BAD_GATEWAY, "{}", again.text());
+    let sent = upstream.bodies.lock().unwrap().len();
+    assert_eq!((sent, upstream.connections.load(Ordering::SeqCst)), (2, 1));
+}
+
 /// The same over HTTP/2: a GET whose HEADERS end the stream has no body
 /// to hold back, and goes again as one over HTTP/1.1 does.
 #[tokio::test]

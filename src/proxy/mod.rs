@@ -43,7 +43,7 @@ use crate::config::{Config, DeriveField, Mode, OnInFlight, OnStoreError, Policy,
 use crate::store::{Claim, Outcome as Stored, Owner, StoreError, StoreHandle, StoredResponse};
 use crate::telemetry::{self, Metrics, Outcome, RouteCounters};
 use exchange::Exchange;
-use upstream::UpstreamClient;
+use upstream::{OnStale, UpstreamClient};
 
 /// A configured route with what it needs at run time.
 struct LiveRoute {
@@ -198,7 +198,7 @@ impl Gateway {
             Routed::Idempotent(live, params) => Either::Left(self.idempotent(live, params, request, peer)),
             Routed::PassThrough(upstream) => {
                 self.passthrough.count(Outcome::Passthrough);
-                Either::Right(Either::Left(self.forward(request, upstream, peer)))
+                Either::Right(Either::Left(self.forward(request, upstream, OnStale::Resend, peer)))
             }
             Routed::Refused(why) => {
                 self.passthrough.count(Outcome::BadRequest);
@@ -293,7 +293,7 @@ impl Gateway {
     ) -> Response<ResponseBody> {
         let policy = &live.route.policy;
         let upstream = &live.upstream;
-        let (parts, body) = request.into_parts();
+        let (mut parts, body) = request.into_parts();
         if let Some(span) = telemetry::request_span() {
             span.record("route", live.route.name.as_str());
         }
@@ -315,7 +315,8 @@ impl Gateway {
                     .await;
             }
             live.counters.count(Outcome::Passthrough);
-            return Box::pin(self.forward(Request::from_parts(parts, body), upstream, peer)).await;
+            let request = Request::from_parts(parts, body);
+            return Box::pin(self.forward(request, upstream, OnStale::Fail, peer)).await;
         }
 
         // 3. The body, buffered.
@@ -407,8 +408,9 @@ impl Gateway {
                     }
                     Stored::Response(_) => {
                         shadowed(live, Outcome::ShadowReplayed, Some(&record_key));
-                        let request = Request::from_parts(parts, ClientBody::whole(body));
-                        return Box::pin(self.forward(request, upstream, peer)).await;
+                        let mut request = Request::from_parts(parts, ClientBody::whole(body));
+                        forward_key(policy, request.headers_mut(), &key);
+                        return Box::pin(self.forward(request, upstream, OnStale::Fail, peer)).await;
                     }
                     Stored::NotReplayable => Problem::ResponseNotReplayable,
                     Stored::Unknown => Problem::OutcomeUnknown,
@@ -452,6 +454,9 @@ impl Gateway {
                     }
                 }
             };
+            // Should it be forwarded all the same (shadow mode, or a store
+            // down with on_error = "pass"), the key goes as a claimed one's.
+            forward_key(policy, &mut parts.headers, &key);
             return self
                 .refuse(
                     live,
@@ -467,23 +472,7 @@ impl Gateway {
         // 6. The claimed exchange.
         let mut request = Request::from_parts(parts, ClientBody::whole(body));
         forward::prepare(&mut request, upstream, peer);
-        let headers = request.headers_mut();
-        // The usual case, the key forwarded under the header it came in,
-        // as sent: nothing to change.
-        let forwarded_as_sent = policy.forward_key_header.as_ref() == Some(&policy.key.header)
-            && headers
-                .get(&policy.key.header)
-                .is_some_and(|sent| sent.as_bytes() == key.as_bytes());
-        if !forwarded_as_sent {
-            headers.remove(&policy.key.header);
-            if let Some(name) = &policy.forward_key_header {
-                // Keys are visible ASCII, or hex when derived: always a valid value.
-                headers.insert(
-                    name.clone(),
-                    HeaderValue::from_str(&key).expect("keys are visible ASCII"),
-                );
-            }
-        }
+        forward_key(policy, request.headers_mut(), &key);
         exchange::run(
             &self.context.exchanges,
             Exchange {
@@ -524,7 +513,8 @@ impl Gateway {
             } else {
                 shadowed(live, outcome.shadowed(), record_key);
             }
-            return Box::pin(self.forward(Request::from_parts(parts, body.into()), upstream, peer)).await;
+            let request = Request::from_parts(parts, body.into());
+            return Box::pin(self.forward(request, upstream, OnStale::Fail, peer)).await;
         }
         live.counters.count(outcome);
         problem.response()
@@ -582,18 +572,24 @@ impl Gateway {
     }
 
     /// Forwards without recording: pass-through, shadow mode, store bypass.
-    async fn forward(&self, mut request: Request<ClientBody>, upstream: &Uri, peer: Peer) -> Response<ResponseBody> {
+    /// A request a route takes (its method one the route makes idempotent)
+    /// goes with `OnStale::Fail`: the operator has said it is not safe to
+    /// send twice, so it is not resent on a new connection when a pooled
+    /// one drops it after it went.
+    async fn forward(
+        &self,
+        mut request: Request<ClientBody>,
+        upstream: &Uri,
+        on_stale: OnStale,
+        peer: Peer,
+    ) -> Response<ResponseBody> {
         forward::prepare(&mut request, upstream, peer);
         let started = Instant::now();
         let deadline = started + self.config.upstream.timeout;
         // Boxed: inline, the upstream request (~2 KB) would size the future
         // of every request, including the idempotent ones that reach this
         // path only to refuse or bypass.
-        let sent = tokio::time::timeout_at(
-            deadline,
-            Box::pin(self.context.client.request(request, upstream::OnStale::Resend)),
-        )
-        .await;
+        let sent = tokio::time::timeout_at(deadline, Box::pin(self.context.client.request(request, on_stale))).await;
         self.context.metrics.upstream_latency.observe(started.elapsed());
         match sent {
             Ok(Ok(response)) => {
@@ -623,6 +619,28 @@ impl Gateway {
                 Problem::UpstreamUnavailable(detail.into()).response()
             }
             Err(_) => Problem::UpstreamTimeout.response(),
+        }
+    }
+}
+
+/// Puts `key` under the route's `forward_key_header` (and drops the header
+/// it came in, or the whole key when that is ""), as every request a route
+/// forwards carries it.
+fn forward_key(policy: &Policy, headers: &mut http::HeaderMap, key: &str) {
+    // The usual case, the key forwarded under the header it came in, as
+    // sent: nothing to change.
+    let forwarded_as_sent = policy.forward_key_header.as_ref() == Some(&policy.key.header)
+        && headers
+            .get(&policy.key.header)
+            .is_some_and(|sent| sent.as_bytes() == key.as_bytes());
+    if !forwarded_as_sent {
+        headers.remove(&policy.key.header);
+        if let Some(name) = &policy.forward_key_header {
+            // Keys are visible ASCII, or hex when derived: always a valid value.
+            headers.insert(
+                name.clone(),
+                HeaderValue::from_str(key).expect("keys are visible ASCII"),
+            );
         }
     }
 }
