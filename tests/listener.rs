@@ -654,3 +654,27 @@ async fn a_slow_http2_reader_gets_its_whole_answer() {
     }
     assert_eq!(got, big.len());
 }
+
+/// A path sent with raw UTF-8 or `|` in it (parsers let them through) is
+/// the path its escapes spell, as a backend reads it: the route written
+/// as text takes it either way. (The fingerprint reads the path as sent,
+/// so each spelling keeps its own retries.)
+#[tokio::test]
+async fn a_path_sent_raw_or_escaped_takes_the_same_route() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
+    let route = "[[route]]\nname = \"cafes\"\npath = \"/cafés/a|b\"\n";
+    let proxy = Proxy::start(&upstream.url(), route).await;
+    for (path, key) in [("/cafés/a|b", "raw"), ("/caf%C3%A9s/a%7Cb", "escaped")] {
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}"
+        );
+        for replayed in [false, true] {
+            let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+            let answer = until_close(&mut stream, request.as_bytes()).await;
+            assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+            let said = answer.to_ascii_lowercase().contains("idempotent-replayed: true");
+            assert_eq!(said, replayed, "{path}: {answer}");
+        }
+    }
+    assert_eq!(upstream.hits(), 2);
+}

@@ -141,7 +141,8 @@ fn encode_outside_pchar(segment: &str) -> String {
             && bytes
                 .get(i + 1..i + 3)
                 .is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit));
-        if escape || b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@".contains(&b) {
+        // (A segment holds no `/`.)
+        if escape || PATH_AS_IS[b as usize] {
             out.push(b as char);
         } else {
             out.push_str(&format!("%{b:02X}"));
@@ -153,13 +154,16 @@ fn encode_outside_pchar(segment: &str) -> String {
 /// `path` with its percent-encoded unreserved characters (letters,
 /// digits, `-`, `.`, `_`, `~`) decoded and other percent-encodings in upper
 /// case: RFC 3986 §6.2.2's normalizations, under which `/v1/%6Frders` is
-/// `/v1/orders`. Routes match, and path parameters are read, from it and
-/// from it with its dot segments resolved ([`remove_dot_segments`]; the
-/// gateway refuses a path whose two readings go to different places); the
-/// request goes upstream as it was sent. Borrowed, with nothing to do, when
-/// the path has no `%`.
+/// `/v1/orders`; and the bytes a path may not hold as they are (raw UTF-8,
+/// `|`, `{`, ... which parsers let through) percent-encoded, so `/cafés`
+/// is `/caf%C3%A9s`, as a backend reads both. Routes match, and path
+/// parameters are read, from it and from it with its dot segments resolved
+/// ([`remove_dot_segments`]; the gateway refuses a path whose two readings
+/// go to different places); the request goes upstream as it was sent.
+/// Borrowed, with nothing to do, when the path has no `%` and nothing to
+/// encode.
 pub fn decode_unreserved(path: &str) -> std::borrow::Cow<'_, str> {
-    if !path.contains('%') {
+    if path.bytes().all(|b| PATH_AS_IS[b as usize]) {
         return std::borrow::Cow::Borrowed(path);
     }
     let bytes = path.as_bytes();
@@ -178,14 +182,39 @@ pub fn decode_unreserved(path: &str) -> std::borrow::Cow<'_, str> {
                 out.extend_from_slice(&[b'%', h.to_ascii_uppercase(), l.to_ascii_uppercase()]);
             }
             i += 3;
-        } else {
+        } else if bytes[i] == b'%' || PATH_AS_IS[bytes[i] as usize] {
+            // A `%` that starts no escape stays, as before.
             out.push(bytes[i]);
+            i += 1;
+        } else {
+            out.extend_from_slice(&[b'%', HEX[usize::from(bytes[i] >> 4)], HEX[usize::from(bytes[i] & 15)]]);
             i += 1;
         }
     }
-    // Only ASCII escapes were replaced, by ASCII: still UTF-8.
-    std::borrow::Cow::Owned(String::from_utf8(out).expect("escapes replaced by ASCII keep UTF-8"))
+    // Only ASCII was written: UTF-8.
+    std::borrow::Cow::Owned(String::from_utf8(out).expect("ASCII is UTF-8"))
 }
+
+const HEX: &[u8; 16] = b"0123456789ABCDEF";
+
+/// The bytes a normalized path holds as they are: RFC 3986 §3.3's `pchar`
+/// but for escapes (unreserved characters, sub-delimiters, `:`, `@`) and
+/// `/`. Every other byte is written as an escape, or is `%`.
+const PATH_AS_IS: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        table[b] = c.is_ascii_alphanumeric()
+            || matches!(c, b'-' | b'.' | b'_' | b'~' | b'/')
+            || matches!(
+                c,
+                b'!' | b'$' | b'&' | b'\'' | b'(' | b')' | b'*' | b'+' | b',' | b';' | b'=' | b':' | b'@'
+            );
+        b += 1;
+    }
+    table
+};
 
 /// An absolute `path` with its `.` and `..` segments resolved (RFC 3986
 /// §5.2.4: `/a/./b/../c` is `/a/c`, and `..` above the root stays at the
@@ -242,6 +271,11 @@ mod tests {
             ("/a b/100%", "/a%20b/100%25"),
             ("/x/%2f", "/x/%2F"),
             ("/sub-delims/!$&'()*+,;=:@", "/sub-delims/!$&'()*+,;=:@"),
+            // Sent raw (parsers let UTF-8 and some ASCII through), as a
+            // backend reads them: the same path as their escapes.
+            ("/cafés/a|b", "/cafés/a|b"),
+            ("/caf%C3%A9s/a%7Cb", "/cafés/a|b"),
+            ("/cafés/a|b", "/caf%c3%a9s/a%7cb"),
         ] {
             let pattern = PathPattern::parse(pattern).unwrap();
             assert!(pattern.matches(&normalize(request)).is_some(), "{request}");
@@ -258,7 +292,8 @@ mod tests {
         assert_eq!(normalize("/a%2fb/%20%c3%a9"), "/a%2Fb/%20%C3%A9");
         // Not an escape: left as it is.
         assert_eq!(normalize("/100%/%zz/%4"), "/100%/%zz/%4");
-        assert_eq!(normalize("/é/%41"), "/é/A");
+        assert_eq!(normalize("/é/%41"), "/%C3%A9/A");
+        assert_eq!(normalize("/{x}/[y]/\\^\"`"), "/%7Bx%7D/%5By%5D/%5C%5E%22%60");
         let pattern = PathPattern::parse("/t/{id}/items").unwrap();
         let found = pattern.matches(&normalize("/%74/%31%32/items")).unwrap();
         assert_eq!(found.param("id"), Some("12"));
