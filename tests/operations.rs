@@ -374,6 +374,9 @@ async fn operators_look_up_and_purge_records_behind_a_token() {
     assert_eq!(doc["status"], 201);
     assert_eq!(doc["body_bytes"], 11);
     assert!(!found.text().contains("\"order\":1"), "the stored body is never shown");
+    // The key as a client may send it, an sf-string: the same record.
+    let quoted = admin.replace("key=k1", "key=%22k1%22");
+    assert_eq!(client.send("GET", &quoted, &auth, "").await.status, StatusCode::OK);
     let other_scope = admin.replace("alice", "bob");
     assert_eq!(
         client.send("GET", &other_scope, &auth, "").await.status,

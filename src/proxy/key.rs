@@ -50,7 +50,7 @@ pub fn from_header(policy: &KeyPolicy, headers: &HeaderMap) -> Result<Option<Str
 
 /// A plain token or an RFC 8941 sf-string; the key is the inner text, which
 /// must be visible ASCII.
-fn parse(raw: &[u8]) -> Option<String> {
+pub(crate) fn parse(raw: &[u8]) -> Option<String> {
     let visible = |b: u8| (0x21..=0x7e).contains(&b);
     let Some(quoted) = raw.strip_prefix(b"\"") else {
         // Visible ASCII is UTF-8: the check cannot fail.

@@ -170,11 +170,14 @@ impl Gateway {
 
     /// Where route `route` keeps the record of `key` sent with these scope
     /// header values (in the order of the route's `scope`; missing ones are
-    /// absent headers). `None` when there is no such route.
+    /// absent headers), `key` as the client sent it (a token or an
+    /// sf-string). `None` when there is no such route.
     pub fn record_key(&self, route: &str, scope: &[String], key: &str) -> Option<crate::store::RecordKey> {
         let live = self.routes.iter().find(|live| live.route.name == route)?;
         let values = (0..live.route.policy.scope.len()).map(|i| scope.get(i).map(|v| v.as_bytes()).into_iter());
-        Some(key::record_key_of(values, key))
+        // Read as the key header is: `"k1"` is the key k1.
+        let key = key::parse(key.as_bytes()).unwrap_or_else(|| key.to_owned());
+        Some(key::record_key_of(values, &key))
     }
 
     /// Answers one client request. Never fails: every error is a response.
