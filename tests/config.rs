@@ -264,7 +264,7 @@ fn a_missing_upstream_url_is_named() {
 #[test]
 fn sizes_and_durations() {
     let config = Config::parse(
-        "[upstream]\nurl = \"http://h:1\"\n[server]\nmax_request_body = \"64KiB\"\nshutdown_grace = \"1m 30s\"\n[store]\nbackend = \"memory\"\nmax_memory = 4096\n",
+        "[upstream]\nurl = \"http://h:1\"\n[server]\nmax_request_body = \"64KiB\"\nshutdown_grace = \"1m 30s\"\n[store]\nbackend = \"memory\"\nmax_memory = 4194304\n",
         "x.toml",
     )
     .unwrap();
@@ -272,8 +272,17 @@ fn sizes_and_durations() {
     assert_eq!(config.server.shutdown_grace, Duration::from_secs(90));
     assert!(matches!(
         config.store.backend,
-        StoreBackend::Memory { max_memory: 4096 }
+        StoreBackend::Memory { max_memory: 4194304 }
     ));
+    // Too small to keep records, or not a size: named, whatever the backend.
+    for (store, message) in [
+        ("backend = \"memory\"\nmax_memory = 4096", "must be at least 1MiB"),
+        ("backend = \"embedded\"\nmax_memory = \"1GB\"", "1GB"),
+    ] {
+        let text = format!("[upstream]\nurl = \"http://h:1\"\n[store]\n{store}\n");
+        let error = Config::parse(&text, "x.toml").unwrap_err().to_string();
+        assert!(error.contains("store.max_memory") && error.contains(message), "{error}");
+    }
 }
 
 #[test]

@@ -444,10 +444,18 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
 
     let st = &raw.store;
     let backend_name = st.backend.as_deref().unwrap_or("embedded");
+    // Read whatever the backend, so a misspelt size is named at once, not
+    // when the backend changes. Below a MiB the memory store's shards
+    // (a sixteenth each) would evict every other record with each write.
+    let max_memory = c.field("store.max_memory", st.max_memory.as_ref(), 256 << 20, |raw| {
+        let size = parse_size(raw)?;
+        if size < 1 << 20 {
+            return Err("must be at least 1MiB: below it each new record would evict the others".to_string());
+        }
+        Ok(size)
+    });
     let backend = match backend_name {
-        "memory" => StoreBackend::Memory {
-            max_memory: c.size("store.max_memory", st.max_memory.as_ref(), 256 << 20),
-        },
+        "memory" => StoreBackend::Memory { max_memory },
         "embedded" => StoreBackend::Embedded {
             path: PathBuf::from(st.path.as_deref().unwrap_or("idemgate.redb")),
         },
