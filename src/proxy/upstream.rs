@@ -380,6 +380,8 @@ impl UpstreamClient {
                     tracing::debug!(%error, "a pooled upstream connection refused the request; sending it on a new one");
                     body = unsent;
                     pooled = false;
+                    // The one resend of a stale connection is this one.
+                    again = None;
                     // Boxed: rare, as below.
                     conn = Box::pin(self.connect(&key)).await?;
                     continue;
