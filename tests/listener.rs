@@ -272,6 +272,7 @@ async fn head_answers_made_here_declare_their_length() {
 /// The same over HTTP/2.
 #[tokio::test]
 async fn http2_head_answers_made_here_declare_their_length() {
+    use http_body_util::BodyExt;
     let proxy = Proxy::start(&support::unreachable_url(), "").await;
     let client = support::h2_client();
     let send = |method: &str| {
@@ -293,6 +294,11 @@ async fn http2_head_answers_made_here_declare_their_length() {
         "{:?}",
         head.headers()
     );
+    // No DATA frame: an HTTP/2 client resets a HEAD's stream on one.
+    let body = head.into_body().collect().await.map(|b| b.to_bytes());
+    assert!(body.as_ref().is_ok_and(|b| b.is_empty()), "{body:?}");
+    let body = get.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(Some(body.len().to_string().as_str()), length.unwrap().to_str().ok());
 }
 
 #[tokio::test]

@@ -428,9 +428,13 @@ async fn serve_h2<S>(
             let open = Open::new(&activity);
             async move {
                 let (mut parts, body) = request.into_parts();
+                let head_only = parts.method == http::Method::HEAD;
                 crate::proxy::forward::h2_as_h1(&parts.uri, &mut parts.headers);
                 let request = http::Request::from_parts(parts, ClientBody::h2(body, idle));
-                let response = gateway.handle(request, peer).await;
+                let mut response = gateway.handle(request, peer).await;
+                if head_only {
+                    head_answer(&mut response);
+                }
                 // Open until its body has been handed to hyper whole (or dropped).
                 Ok::<_, Infallible>(response.map(|body| Tracked::new(body, open)))
             }
@@ -463,6 +467,30 @@ async fn serve_h2<S>(
     if let Err(error) = result {
         tracing::debug!(%error, "connection ended with an error");
     }
+}
+
+/// Makes an answer to a HEAD bodiless, as HTTP/1.1's writer does and
+/// hyper's HTTP/2 server does not: HTTP/2 clients reset a HEAD's stream on
+/// a DATA frame. An answer with a body in hand (a problem, a replay)
+/// declares the length a GET would get, as nginx does (RFC 9110 §9.3.2);
+/// dropping a claimed exchange's body is its client leaving, so its record
+/// is still completed.
+fn head_answer(response: &mut http::Response<ResponseBody>) {
+    use hyper::body::Body;
+    let body = response.body();
+    if body.is_end_stream() {
+        return;
+    }
+    let exact = body.size_hint().exact().filter(|&n| n > 0);
+    if let Some(n) = exact
+        && !response.status().is_informational()
+    {
+        response
+            .headers_mut()
+            .entry(http::header::CONTENT_LENGTH)
+            .or_insert_with(|| n.into());
+    }
+    *response.body_mut() = ResponseBody::empty();
 }
 
 /// The HTTP/2 connection-level flow-control window: four streams' worth.
