@@ -610,6 +610,37 @@ async fn an_http2_client_that_takes_nothing_is_let_go() {
     );
 }
 
+/// Shutdown lets go of an HTTP/2 client that takes nothing of its answer
+/// as serving does, after `header_read_timeout`: it does not hold the
+/// drain for all of `shutdown_grace`.
+#[tokio::test]
+async fn an_http2_client_that_takes_nothing_does_not_hold_the_drain() {
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+
+    let big = "x".repeat(200_000);
+    let upstream = Upstream::start(move |_, _| Reply::status(200, &big)).await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        "[server]\nheader_read_timeout = \"300ms\"\nshutdown_grace = \"20s\"\n",
+    )
+    .await;
+    let client = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .http2_initial_stream_window_size(1024)
+        .http2_initial_connection_window_size(1024)
+        .build_http();
+    let request = http::Request::get(proxy.url("/big"))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    let response = client.request(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    tokio::time::timeout(Duration::from_secs(5), proxy.stop())
+        .await
+        .expect("the drain waited on a client that reads nothing");
+    drop(response);
+}
+
 /// A client that reads a large answer slowly is still written to: the
 /// idle bound does not cut it, even once the whole answer is with hyper.
 #[tokio::test]

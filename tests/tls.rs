@@ -47,6 +47,27 @@ impl Pki {
         self.dir.path().join(name)
     }
 
+    /// The `tls` line of a `[server]` table serving this certificate.
+    fn listener_toml(&self) -> String {
+        format!(
+            "tls = {{ cert = \"{}\", key = \"{}\" }}\n",
+            toml_path(&self.path("cert.pem")),
+            toml_path(&self.path("key.pem"))
+        )
+    }
+
+    /// A verified TLS connection to `addr` that negotiated HTTP/2.
+    async fn connect_h2(&self, addr: std::net::SocketAddr) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(client_config(&self.path("ca.pem"), &[b"h2"])));
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let stream = connector
+            .connect(rustls_pki_types::ServerName::try_from("localhost").unwrap(), tcp)
+            .await
+            .unwrap();
+        assert_eq!(stream.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+        stream
+    }
+
     fn tls(&self) -> TlsConfig {
         TlsConfig {
             cert: self.path("cert.pem"),
@@ -73,9 +94,8 @@ async fn the_listener_serves_http1_and_http2_by_alpn_to_a_verifying_client() {
     let proxy = Proxy::start(
         &upstream.url(),
         &format!(
-            "[server]\ntls = {{ cert = \"{}\", key = \"{}\" }}\n[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n",
-            toml_path(&pki.path("cert.pem")),
-            toml_path(&pki.path("key.pem"))
+            "[server]\n{}[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n",
+            pki.listener_toml()
         ),
     )
     .await;
@@ -101,13 +121,7 @@ async fn the_listener_serves_http1_and_http2_by_alpn_to_a_verifying_client() {
     assert_eq!(upstream.seen()[0].headers.get("x-forwarded-proto").unwrap(), "https");
 
     // HTTP/2 negotiated by ALPN.
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(client_config(&pki.path("ca.pem"), &[b"h2"])));
-    let tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    let stream = connector
-        .connect(rustls_pki_types::ServerName::try_from("localhost").unwrap(), tcp)
-        .await
-        .unwrap();
-    assert_eq!(stream.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let stream = pki.connect_h2(proxy.addr).await;
     let (mut sender, connection) = hyper::client::conn::http2::handshake(
         hyper_util::rt::TokioExecutor::new(),
         hyper_util::rt::TokioIo::new(stream),
@@ -125,6 +139,30 @@ async fn the_listener_serves_http1_and_http2_by_alpn_to_a_verifying_client() {
     let body = response.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body, Bytes::from_static(br#"{"order":1}"#));
     assert_eq!(upstream.hits(), 1);
+}
+
+/// A client that negotiates HTTP/2 and then sends nothing, not even the
+/// preface, is let go at shutdown after `header_read_timeout`, not after
+/// all of `shutdown_grace`.
+#[tokio::test]
+async fn a_silent_http2_client_over_tls_does_not_hold_the_drain() {
+    let pki = Pki::new();
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        &format!(
+            "[server]\nheader_read_timeout = \"300ms\"\nshutdown_grace = \"20s\"\n{}",
+            pki.listener_toml()
+        ),
+    )
+    .await;
+    let stream = pki.connect_h2(proxy.addr).await;
+    // Past the handshake, into serving, before the stop.
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    tokio::time::timeout(std::time::Duration::from_secs(5), proxy.stop())
+        .await
+        .expect("the drain waited on a client that sent nothing");
+    drop(stream);
 }
 
 #[tokio::test]

@@ -18,7 +18,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::{Buf, Bytes};
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
@@ -331,9 +331,17 @@ impl Server {
                 tls: tls.is_some(),
             };
             let (gateway, stopping) = (gateway.clone(), stopping.clone());
+            let streams = Streams(connections.clone());
             match &tls {
                 None => {
-                    connections.spawn(serve_connection(stream, gateway, peer, header_read_timeout, stopping));
+                    connections.spawn(serve_connection(
+                        stream,
+                        gateway,
+                        peer,
+                        header_read_timeout,
+                        stopping,
+                        streams,
+                    ));
                 }
                 Some(acceptor) => {
                     // The handshake runs in the connection's own task, bounded
@@ -347,9 +355,9 @@ impl Server {
                         };
                         if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
                             let stream = Rewind::new(Bytes::new(), stream);
-                            serve_h2(stream, gateway, peer, header_read_timeout, stopping).await;
+                            serve_h2(stream, gateway, peer, header_read_timeout, stopping, streams).await;
                         } else {
-                            serve_connection(stream, gateway, peer, header_read_timeout, stopping).await;
+                            serve_connection(stream, gateway, peer, header_read_timeout, stopping, streams).await;
                         }
                     });
                 }
@@ -391,13 +399,22 @@ async fn serve_connection<S>(
     peer: Peer,
     header_read_timeout: Duration,
     stopping: CancellationToken,
+    streams: Streams,
 ) where
     S: AsyncRead + AsyncWrite + h1::Reset + Unpin + Send + 'static,
 {
     match h1::serve(stream, gateway.clone(), peer, header_read_timeout, stopping.clone()).await {
         h1::Ended::Closed => {}
         h1::Ended::Http2(stream, read) => {
-            serve_h2(Rewind::new(read, stream), gateway, peer, header_read_timeout, stopping).await;
+            serve_h2(
+                Rewind::new(read, stream),
+                gateway,
+                peer,
+                header_read_timeout,
+                stopping,
+                streams,
+            )
+            .await;
         }
     }
 }
@@ -416,6 +433,7 @@ async fn serve_h2<S>(
     peer: Peer,
     idle: Duration,
     stopping: CancellationToken,
+    streams: Streams,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -440,7 +458,7 @@ async fn serve_h2<S>(
             }
         }
     });
-    let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+    let connection = hyper::server::conn::http2::Builder::new(streams)
         .timer(TokioTimer::new())
         // Room on the connection for a few streams' windows (1 MiB each):
         // with hyper's default, the same 1 MiB, one request body left
@@ -456,7 +474,14 @@ async fn serve_h2<S>(
         result = connection.as_mut() => result,
         () = stopping.cancelled() => {
             connection.as_mut().graceful_shutdown();
-            connection.await
+            // The drain lets go of an idle or stuck peer as serving does:
+            // one that never reads, or never sent its preface (hyper waits
+            // out the handshake before it sends GOAWAY), would otherwise
+            // hold every stop for all of `shutdown_grace`.
+            tokio::select! {
+                result = connection.as_mut() => result,
+                () = activity.idle_for(idle) => Ok(()),
+            }
         }
         () = activity.idle_for(idle) => {
             connection.as_mut().graceful_shutdown();
@@ -491,6 +516,23 @@ fn head_answer(response: &mut http::Response<ResponseBody>) {
             .or_insert_with(|| n.into());
     }
     *response.body_mut() = ResponseBody::empty();
+}
+
+/// Runs an HTTP/2 connection's streams as tasks the drain waits for, as it
+/// waits for the connections: a stream carries its request's exchange, so
+/// one whose connection ended first would otherwise be dropped with the
+/// runtime, its record neither completed nor released.
+#[derive(Clone)]
+struct Streams(TaskTracker);
+
+impl<F> hyper::rt::Executor<F> for Streams
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn execute(&self, future: F) {
+        self.0.spawn(future);
+    }
 }
 
 /// The HTTP/2 connection-level flow-control window: four streams' worth.
