@@ -2,7 +2,8 @@
 //! held across an `.await`), leases and TTLs as deadlines swept by a
 //! background task, and a byte budget that evicts the records completed
 //! (or refreshed) longest ago first, a few at a time (never an in-flight
-//! claim).
+//! claim, and a record that answers no replay only once no answer is left
+//! to evict in its shard).
 //!
 //! The sweeper and the eviction read FIFO queues rather than sorted trees:
 //! deadlines set with one duration (a route's `ttl`, its `lock_timeout`)
@@ -82,9 +83,31 @@ struct Deadlines {
     /// durations (the routes' leases and TTLs): a list finds one faster
     /// than a map.
     leases: Vec<(Duration, DeadlineQueue)>,
-    /// TTL ends, likewise: for the sweeper, and for eviction.
+    /// TTL ends of records that hold an answer, likewise: for the
+    /// sweeper, and for eviction.
     ttls: Vec<(Duration, DeadlineQueue)>,
+    /// TTL ends of records that hold none (outcome unknown, not
+    /// replayable), likewise. They are what keeps the backend from a
+    /// second call, cost little, and save no call to the backend that an
+    /// answer would not: eviction takes them only once a shard has no
+    /// answer left to evict.
+    guards: Vec<(Duration, DeadlineQueue)>,
     seq: u64,
+}
+
+/// Which deadline a queue item is: an in-flight claim's lease end, or a
+/// completed record's TTL end, with or without an answer to replay.
+#[derive(Clone, Copy)]
+enum Due {
+    Lease,
+    Answer,
+    Guard,
+}
+
+impl Due {
+    fn of(outcome: &Outcome) -> Due {
+        if outcome.is_response() { Due::Answer } else { Due::Guard }
+    }
 }
 
 /// Deadlines of one duration, in the order they were set: when each falls,
@@ -154,12 +177,15 @@ fn outcome_size(outcome: &Outcome) -> usize {
 }
 
 impl Deadlines {
-    /// Queues a deadline `lasting` from `now` (a lease's, or with `ttl` a
-    /// record's time to live); returns it for the entry.
-    fn queue(&mut self, key: &RecordKey, now: Instant, lasting: Duration, ttl: bool) -> (Instant, u64) {
+    /// Queues a deadline `lasting` from `now`; returns it for the entry.
+    fn queue(&mut self, key: &RecordKey, now: Instant, lasting: Duration, due: Due) -> (Instant, u64) {
         self.seq += 1;
         let deadline = (now + lasting, self.seq);
-        let queues = if ttl { &mut self.ttls } else { &mut self.leases };
+        let queues = match due {
+            Due::Lease => &mut self.leases,
+            Due::Answer => &mut self.ttls,
+            Due::Guard => &mut self.guards,
+        };
         let queue = match queues.iter().position(|(d, _)| *d == lasting) {
             Some(at) => &mut queues[at].1,
             None => {
@@ -171,10 +197,11 @@ impl Deadlines {
         deadline
     }
 
-    /// The TTL queue whose front record was completed (or refreshed)
-    /// longest ago: the next to evict.
-    fn oldest_ttl(&mut self) -> Option<&mut DeadlineQueue> {
-        self.ttls
+    /// The TTL queue, of answers or of `guards`, whose front record was
+    /// completed (or refreshed) longest ago: the next to evict.
+    fn oldest_ttl(&mut self, guards: bool) -> Option<&mut DeadlineQueue> {
+        let queues = if guards { &mut self.guards } else { &mut self.ttls };
+        queues
             .iter_mut()
             .map(|(_, queue)| queue)
             .filter(|queue| !queue.is_empty())
@@ -235,8 +262,10 @@ impl Shard {
     fn sweep(&mut self, now: Instant, limit: usize) -> usize {
         let mut due = Vec::new();
         let mut looked = 0;
-        let Deadlines { leases, ttls, .. } = &mut self.deadlines;
-        for (_, queue) in leases.iter_mut().chain(ttls.iter_mut()) {
+        let Deadlines {
+            leases, ttls, guards, ..
+        } = &mut self.deadlines;
+        for (_, queue) in leases.iter_mut().chain(ttls.iter_mut()).chain(guards.iter_mut()) {
             while looked < limit
                 && let Some(&(at, seq, key)) = queue.front()
                 && at <= now
@@ -248,6 +277,7 @@ impl Shard {
         }
         leases.retain(|(_, queue)| !queue.is_empty());
         ttls.retain(|(_, queue)| !queue.is_empty());
+        guards.retain(|(_, queue)| !queue.is_empty());
         for (seq, key) in due {
             if current(&self.entries, &key, seq) {
                 self.remove(&key);
@@ -265,8 +295,10 @@ impl Shard {
     fn compact(&mut self) {
         let bound = 2 * self.entries.len() + 1024;
         let entries = &self.entries;
-        let Deadlines { leases, ttls, .. } = &mut self.deadlines;
-        for (_, queue) in leases.iter_mut().chain(ttls.iter_mut()) {
+        let Deadlines {
+            leases, ttls, guards, ..
+        } = &mut self.deadlines;
+        for (_, queue) in leases.iter_mut().chain(ttls.iter_mut()).chain(guards.iter_mut()) {
             if queue.len() > bound {
                 queue.retain(|(_, seq, key)| current(entries, key, *seq));
             }
@@ -289,17 +321,24 @@ impl Shard {
     }
 
     /// Evicts the records completed (or refreshed) longest ago, a batch at
-    /// a time, until the shard fits `budget`, but never `newest`, the
-    /// record just written: a record larger than the budget stays, alone,
-    /// rather than vanish as it is stored. The evicted entries go to
-    /// `evicted`, to be dropped once the shard's lock is let go (see
-    /// [`drop_evicted`]).
+    /// a time, until the shard fits `budget`: those with an answer first,
+    /// then, only if none is left, those without (see
+    /// [`Deadlines::guards`]); never `newest`, the record just written: a
+    /// record larger than the budget stays rather than vanish as it is
+    /// stored. The evicted entries go to `evicted`, to be dropped once the
+    /// shard's lock is let go (see [`drop_evicted`]).
     fn evict_to(&mut self, budget: usize, newest: &RecordKey, evicted: &mut Vec<Entry>) {
+        self.evict_of(false, budget, newest, evicted);
+        self.evict_of(true, budget, newest, evicted);
+    }
+
+    /// [`Shard::evict_to`]'s work on one kind of record.
+    fn evict_of(&mut self, guards: bool, budget: usize, newest: &RecordKey, evicted: &mut Vec<Entry>) {
         while self.bytes > budget {
             let mut batch = [(0, RecordKey([0; 32])); EVICT_BATCH];
             let mut taken = 0;
             while taken < EVICT_BATCH
-                && let Some(queue) = self.deadlines.oldest_ttl()
+                && let Some(queue) = self.deadlines.oldest_ttl(guards)
                 && let Some(&(_, seq, key)) = queue.front()
             {
                 // The record just written stays; an older item of its key
@@ -353,7 +392,7 @@ impl MemoryStore {
                     State::Done { outcome, .. } => {
                         let outcome = outcome.clone();
                         if let Some(ttl) = refresh_ttl.filter(|_| found == *fingerprint && outcome.is_response()) {
-                            entry.deadline = shard.deadlines.queue(key, now, ttl, true);
+                            entry.deadline = shard.deadlines.queue(key, now, ttl, Due::Answer);
                         }
                         Claim::Completed {
                             fingerprint: found,
@@ -366,7 +405,7 @@ impl MemoryStore {
         };
         let claimed = Entry {
             fingerprint: *fingerprint,
-            deadline: shard.deadlines.queue(key, now, lease, false),
+            deadline: shard.deadlines.queue(key, now, lease, Due::Lease),
             state: State::InFlight { owner, done: None },
         };
         match slot {
@@ -381,7 +420,7 @@ impl MemoryStore {
     /// [`Store::complete`], answered at once.
     pub fn complete_now(&self, key: &RecordKey, owner: Owner, outcome: Outcome, ttl: Duration) -> bool {
         let now = coarse_now();
-        let size = outcome_size(&outcome);
+        let (size, due) = (outcome_size(&outcome), Due::of(&outcome));
         let mut shard = self.shard(key);
         let Some((entry, deadlines)) = shard.owned(key, owner, now) else {
             return false;
@@ -390,7 +429,7 @@ impl MemoryStore {
         if let State::InFlight { done: Some(done), .. } = previous {
             done.notify_waiters();
         }
-        entry.deadline = deadlines.queue(key, now, ttl, true);
+        entry.deadline = deadlines.queue(key, now, ttl, due);
         shard.bytes += size;
         let budget = self.shared.budget_per_shard;
         let mut evicted = Vec::new();
@@ -440,7 +479,7 @@ impl Store for MemoryStore {
         let Some((entry, deadlines)) = shard.owned(key, owner, now) else {
             return Ok(false);
         };
-        entry.deadline = deadlines.queue(key, now, lease, false);
+        entry.deadline = deadlines.queue(key, now, lease, Due::Lease);
         Ok(true)
     }
 
@@ -656,6 +695,50 @@ mod tests {
         }
     }
 
+    /// A record without an answer (outcome unknown, not replayable) is what
+    /// keeps a retry from the backend: answers, newer or not, are evicted
+    /// before it, and it goes only once no answer is left.
+    #[tokio::test]
+    async fn records_without_an_answer_are_evicted_last() {
+        let size = outcome_size(&response(100));
+        // Ten answers of one shard fit its budget.
+        let store = MemoryStore::new((SHARDS * size * 10) as u64);
+        let fp = Fingerprint([0; 32]);
+        let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+        let keys: Vec<RecordKey> = keys_of_shard(7).take(60).collect();
+        let store_as = |key: RecordKey, outcome: Outcome| {
+            let store = &store;
+            async move {
+                let owner = Owner(u128::from(key.0[3]) + 1);
+                assert_eq!(
+                    store.claim(&key, &fp, owner, lease, None).await.unwrap(),
+                    Claim::Claimed
+                );
+                assert!(store.complete(&key, &fp, owner, outcome, ttl).await.unwrap());
+            }
+        };
+        let held = |key: &RecordKey| store.shard(key).entries.contains_key(key);
+        store_as(keys[0], Outcome::Unknown).await;
+        store_as(keys[1], Outcome::NotReplayable).await;
+        // Thirty answers after them: many evictions, none of the two.
+        for &key in &keys[2..32] {
+            store_as(key, response(100)).await;
+        }
+        assert!(held(&keys[0]) && held(&keys[1]));
+        assert!(!held(&keys[2]) && held(&keys[31]));
+        assert!(store.stored_bytes() <= size * 10);
+        // A shard of records without answers only: the oldest go.
+        for &key in &keys[32..60] {
+            store_as(key, Outcome::Unknown).await;
+        }
+        assert!(store.stored_bytes() <= size * 10);
+        assert!(!held(&keys[0]) && held(&keys[59]));
+        assert!(
+            !(2..32).any(|i| held(&keys[i])),
+            "an answer outlived a record without one"
+        );
+    }
+
     #[tokio::test]
     async fn eviction_goes_a_batch_below_the_budget_at_most() {
         // Twenty records of one shard fit its budget.
@@ -731,8 +814,10 @@ mod tests {
                 .unwrap();
             // A renewal and a refresh leave stale deadline items behind.
             store.renew(&key, owner, Duration::from_secs(5)).await.unwrap();
+            // A third hold no answer: their TTLs are queued apart.
+            let outcome = if i % 3 == 0 { Outcome::Unknown } else { response(10) };
             store
-                .complete(&key, &fp, owner, response(10), Duration::from_millis(20))
+                .complete(&key, &fp, owner, outcome, Duration::from_millis(20))
                 .await
                 .unwrap();
             store
@@ -756,6 +841,7 @@ mod tests {
             assert!(shard.entries.is_empty());
             assert!(shard.deadlines.leases.is_empty());
             assert!(shard.deadlines.ttls.is_empty());
+            assert!(shard.deadlines.guards.is_empty());
             assert_eq!(shard.bytes, 0);
         }
     }
@@ -807,7 +893,10 @@ mod tests {
             let shard = lock(shard);
             let bound = 2 * shard.entries.len() + 1024;
             assert!(shard.entries.len() <= 16, "{}", shard.entries.len());
-            for (_, queue) in shard.deadlines.leases.iter().chain(&shard.deadlines.ttls) {
+            let Deadlines {
+                leases, ttls, guards, ..
+            } = &shard.deadlines;
+            for (_, queue) in leases.iter().chain(ttls).chain(guards) {
                 assert!(
                     queue.len() <= bound,
                     "{} queued for {} entries",
