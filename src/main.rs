@@ -111,16 +111,19 @@ fn admin(path: &Path, method: http::Method, path_and_query: &str) -> anyhow::Res
         .admin_listen
         .context("server.admin_listen is disabled in this configuration")?;
     let token = config.server.admin_token.clone();
+    // The longest a listener that works takes: a head read, a store call.
+    // One that accepts and never answers (a wedged or stopped process, whose
+    // kernel still completes the handshake) fails the call, not hangs it.
+    let bound = config.server.header_read_timeout + config.store.timeout;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let call = idemgate::server::admin::call(addr, method, path_and_query, token.as_deref());
     let (status, body) = runtime
-        .block_on(idemgate::server::admin::call(
-            addr,
-            method,
-            path_and_query,
-            token.as_deref(),
-        ))
+        .block_on(async { tokio::time::timeout(bound, call).await })
+        .map_err(|_| anyhow::anyhow!("no answer within {}", humantime::format_duration(bound)))
+        .and_then(|answer| Ok(answer?))
         .with_context(|| format!("cannot reach the admin listener at {addr}"))?;
-    print!("{body}");
+    // Not print!, which panics when the reader has gone.
+    let _ = std::io::Write::write_all(&mut std::io::stdout(), body.as_bytes());
     anyhow::ensure!(status.is_success(), "{status}");
     Ok(())
 }

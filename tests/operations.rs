@@ -476,6 +476,49 @@ async fn the_record_and_health_subcommands_talk_to_the_running_proxy() {
     assert!(String::from_utf8_lossy(&gone.stdout).contains("absent"));
 }
 
+/// `idemgate health` fails, rather than hangs, on an admin listener that
+/// takes the connection and never answers (a stopped process's kernel
+/// still completes the handshake).
+#[test]
+fn the_health_subcommand_gives_up_on_a_listener_that_never_answers() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idemgate.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[upstream]\nurl = \"{}\"\n[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"{}\"\nheader_read_timeout = \"300ms\"\n[store]\nbackend = \"memory\"\ntimeout = \"200ms\"\n",
+            support::unreachable_url(),
+            silent.local_addr().unwrap()
+        ),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["health", "--config"])
+        .arg(&path)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("idemgate health still waits after 10 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(!status.success());
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(stderr.contains("no answer within 500ms"), "{stderr}");
+    drop(silent);
+}
+
 #[tokio::test]
 async fn metrics_count_every_outcome_by_route() {
     let _ = captured();
