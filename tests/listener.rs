@@ -715,3 +715,20 @@ async fn a_path_sent_raw_or_escaped_takes_the_same_route() {
     }
     assert_eq!(upstream.hits(), 2);
 }
+
+/// A second instance started on the `listen` of a running one, several
+/// workers or one, is refused the port: sharing it (SO_REUSEPORT lets one
+/// user's sockets share) would split the clients across two stores.
+#[test]
+fn a_listen_address_in_use_is_refused_though_workers_share_theirs() {
+    use idemgate::server::bind_listeners;
+    let running = bind_listeners("127.0.0.1:0".parse().unwrap(), 2).unwrap();
+    let addr = running[0].local_addr().unwrap();
+    assert_eq!(running[1].local_addr().unwrap(), addr);
+    for workers in [2, 1] {
+        let error = bind_listeners(addr, workers).expect_err("the port was shared");
+        assert!(error.to_string().contains(&addr.to_string()), "{error}");
+    }
+    drop(running);
+    assert_eq!(bind_listeners(addr, 2).unwrap().len(), 2);
+}

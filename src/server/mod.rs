@@ -179,29 +179,41 @@ fn admin_stays_guarded(
 /// Binds `addr` once per accept loop: `count` sockets sharing the port with
 /// SO_REUSEPORT (the kernel spreads connections across them), or one plain
 /// socket. With port 0, every socket gets the port the first one got.
+///
+/// A port another process's SO_REUSEPORT group holds is refused, as a plain
+/// bind would refuse it: Linux lets sockets of one user share it, so a
+/// second idemgate on the same `listen` would otherwise start without
+/// complaint and take half the connections, to a store of its own.
 pub fn bind_listeners(addr: SocketAddr, count: usize) -> Result<Vec<std::net::TcpListener>, ServerError> {
-    use socket2::{Domain, Socket, Type};
     let mut addr = addr;
+    if count > 1 {
+        // A plain socket, let go at once: its bind fails on a port in use.
+        addr = bind_one(addr, false)
+            .and_then(|probe| probe.local_addr())
+            .map_err(|source| ServerError::Bind { addr, source })?;
+    }
     let mut listeners = Vec::with_capacity(count);
     for _ in 0..count.max(1) {
-        let bound = (|| {
-            let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
-            socket.set_reuse_address(true)?;
-            if count > 1 {
-                socket.set_reuse_port(true)?;
-            }
-            socket.set_nonblocking(true)?;
-            socket.bind(&addr.into())?;
-            socket.listen(4096)?;
-            Ok::<_, std::io::Error>(std::net::TcpListener::from(socket))
-        })()
-        .map_err(|source| ServerError::Bind { addr, source })?;
+        let bound = bind_one(addr, count > 1).map_err(|source| ServerError::Bind { addr, source })?;
         addr = bound
             .local_addr()
             .map_err(|source| ServerError::Bind { addr, source })?;
         listeners.push(bound);
     }
     Ok(listeners)
+}
+
+fn bind_one(addr: SocketAddr, reuse_port: bool) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    if reuse_port {
+        socket.set_reuse_port(true)?;
+    }
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(4096)?;
+    Ok(std::net::TcpListener::from(socket))
 }
 
 fn listener(std: std::net::TcpListener) -> Result<TcpListener, ServerError> {
