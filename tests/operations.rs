@@ -586,6 +586,8 @@ on_upstream_failure = "unknown"
         ("orders", "outcome_unknown", 1),
         ("orders", "in_flight", 1),
         ("", "passthrough", 1),
+        // A series is there before its first count.
+        ("orders", "store_error", 0),
     ] {
         let line = format!("idemgate_requests_total{{route=\"{route}\",outcome=\"{outcome}\"}} {n}");
         assert!(metrics.contains(&line), "missing `{line}` in:\n{metrics}");

@@ -257,17 +257,17 @@ impl Metrics {
         out.push_str("# HELP idemgate_requests_total Requests by route and outcome.\n");
         out.push_str("# TYPE idemgate_requests_total counter\n");
         let routes = self.routes.lock().unwrap_or_else(|p| p.into_inner());
+        // Every series from the start, zeros too: `rate()` and `increase()`
+        // see no first count of a series that appears with it.
         for (name, counters) in routes.iter() {
             let name = name.replace('\\', "\\\\").replace('"', "\\\"");
             for outcome in Outcome::ALL {
-                let n = counters.get(outcome);
-                if n > 0 {
-                    let _ = writeln!(
-                        out,
-                        "idemgate_requests_total{{route=\"{name}\",outcome=\"{}\"}} {n}",
-                        outcome.name()
-                    );
-                }
+                let _ = writeln!(
+                    out,
+                    "idemgate_requests_total{{route=\"{name}\",outcome=\"{}\"}} {}",
+                    outcome.name(),
+                    counters.get(outcome)
+                );
             }
         }
         drop(routes);
