@@ -551,6 +551,16 @@ async fn a_completion_the_store_did_not_take_is_retried_until_it_lands() {
     // Writes stall for 2.5 s: the completion at 300 ms times out (1 s).
     assert!(redis.cli(&["client", "pause", "2500", "write"]).is_some());
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    // The claim the retried completion holds is counted as held.
+    let claims_held = || async {
+        let metrics = client
+            .send("GET", &format!("http://{}/metrics", proxy.admin.unwrap()), &[], "")
+            .await
+            .text();
+        let line = metrics.lines().find(|l| l.starts_with("idemgate_claims_in_flight "));
+        line.and_then(|l| l.rsplit(' ').next()?.parse::<i64>().ok())
+    };
+    assert_eq!(claims_held().await, Some(1));
     // Once writes resume, the retried completion lands: a replay, well
     // before the 30 s lease could have run out.
     let deadline = Instant::now() + Duration::from_secs(8);
@@ -569,6 +579,15 @@ async fn a_completion_the_store_did_not_take_is_retried_until_it_lands() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(upstream.hits(), 1);
+    // Counted out as the retry ends, a moment after the record landed.
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while claims_held().await != Some(0) {
+        assert!(
+            Instant::now() < deadline,
+            "the landed completion's claim is still counted"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// A Redis that cannot be reached (each connection taken, its greeting read,

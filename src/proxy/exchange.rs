@@ -189,8 +189,9 @@ impl ClaimGuard {
             // letting the lease run out: keep the claim and keep trying.
             Err(error) => {
                 tracing::error!(key = %self.key.tag(), error = %error_chain(&error), "completing the record failed; retrying");
-                // Tracked, so a shutdown gives it `shutdown_grace` to land.
-                self.context.exchanges.spawn(retry_completion(
+                // Tracked, so a shutdown gives it `shutdown_grace` to land;
+                // the claim it holds stays counted as held until it ends.
+                let retry = retry_completion(
                     self.context.store.clone(),
                     self.key,
                     self.fingerprint,
@@ -198,7 +199,13 @@ impl ClaimGuard {
                     self.lease,
                     outcome,
                     ttl,
-                ));
+                );
+                let metrics = self.context.metrics.clone();
+                metrics.claim_taken();
+                self.context.exchanges.spawn(async move {
+                    retry.await;
+                    metrics.claim_ended();
+                });
             }
         }
     }
