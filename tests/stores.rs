@@ -796,3 +796,38 @@ async fn an_unreadable_record_is_refused_even_when_store_errors_pass() {
     // Another key still passes the store by as configured when it is down.
     assert_eq!(client.post(&proxy.url("/v1/orders"), "k2", "{}").await.status, 201);
 }
+
+/// A Redis user the ACL denies the completion channel (Redis 7's default
+/// for new users) still completes a record a waiter marked: the
+/// announcement is best effort, the write is not.
+#[tokio::test]
+async fn a_redis_user_denied_the_channel_still_completes_a_waited_on_record() {
+    use idemgate::store::{Claim, Fingerprint, Outcome, Owner, RecordKey};
+    let redis = RedisServer::start_with_args(&["--acl-pubsub-default", "resetchannels"]);
+    redis
+        .cli(&["acl", "setuser", "gate", "on", ">pw", "~*", "+@all"])
+        .expect("the user is made");
+    let url = redis.url().replace("redis://", "redis://gate:pw@");
+    let store = redis_store(&url);
+    let (key, fp, owner) = (RecordKey([7; 32]), Fingerprint([1; 32]), Owner::new());
+    let lease = Duration::from_secs(30);
+    assert_eq!(
+        store.claim(&key, &fp, owner, lease, None).await.unwrap(),
+        Claim::Claimed
+    );
+    // A waiter marks the record.
+    let waiter = tokio::spawn({
+        let store = store.clone();
+        async move { store.wait(&key, Duration::from_secs(3)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let done = store
+        .complete(&key, &fp, owner, Outcome::NotReplayable, Duration::from_secs(60))
+        .await;
+    assert!(matches!(done, Ok(true)), "{done:?}");
+    let _ = waiter.await;
+    assert!(matches!(
+        store.claim(&key, &fp, Owner::new(), lease, None).await.unwrap(),
+        Claim::Completed { .. }
+    ));
+}

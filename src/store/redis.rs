@@ -114,9 +114,11 @@ if not v or string.byte(v, 2) ~= 0 or string.sub(v, 35, 50) ~= ARGV[1] then retu
 
 /// Wakes the waiters of `KEYS[1]` if one marked the in-flight record `v`: an
 /// unmarked one is 50 bytes (`codec::in_flight`; a test holds the scripts
-/// to that).
+/// to that). With `pcall`: a user the ACL denies the channel (Redis 7's
+/// default for new users) must still complete and release; its waiters
+/// then see the change at their next look.
 const ANNOUNCE: &str = concat!(
-    "if string.len(v) > 50 then redis.call('PUBLISH', '",
+    "if string.len(v) > 50 then redis.pcall('PUBLISH', '",
     channel!(),
     "', KEYS[1]) end\n"
 );
@@ -146,7 +148,7 @@ const COMPLETE_MANY: &str = concat!(
     "    if type(set) == 'table' and set.err then\n",
     "      done[i] = -1\n",
     "    else\n",
-    "      if string.len(v) > 50 then redis.call('PUBLISH', '",
+    "      if string.len(v) > 50 then redis.pcall('PUBLISH', '",
     channel!(),
     "', KEYS[i]) end\n",
     "      done[i] = 1\n",
