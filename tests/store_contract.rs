@@ -766,6 +766,39 @@ async fn redis_completions_made_together_go_in_one_call_each_owner_checked() {
     }
 }
 
+/// A one-shard cluster behind `url` refuses a script on keys of several
+/// hash slots (CROSSSLOT): completions made together are then each
+/// completed alone, and from there on sent alone.
+#[tokio::test]
+async fn redis_in_cluster_mode_behind_one_url_completes_a_batch_one_by_one() {
+    let server = support::redis::RedisServer::start_one_shard_cluster();
+    let store = RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap();
+    for round in 0..2 {
+        let claims: Vec<_> = (0..4).map(|_| (key(), Owner::new())).collect();
+        for (k, owner) in &claims {
+            store.claim(k, &A, *owner, LONG, None).await.unwrap();
+        }
+        let done = futures_util::future::join_all(
+            claims
+                .iter()
+                .map(|(k, owner)| store.complete(k, &A, *owner, response("x"), LONG)),
+        )
+        .await;
+        for (i, done) in done.into_iter().enumerate() {
+            assert!(done.unwrap(), "round {round}, completion {i}");
+        }
+        for (k, _) in &claims {
+            assert!(matches!(
+                store.claim(k, &A, Owner::new(), LONG, None).await.unwrap(),
+                Claim::Completed { .. }
+            ));
+        }
+    }
+    // One batch was refused; every completion went alone after it.
+    let stats = server.cli(&["info", "errorstats"]).unwrap();
+    assert!(stats.contains("errorstat_CROSSSLOT:count=1"), "{stats}");
+}
+
 /// A node without the scripts (restarted, failed over, or new) while
 /// another node is down: the scripts go whole to the node that needs them,
 /// so its records can still be completed before their leases run out.

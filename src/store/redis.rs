@@ -338,6 +338,9 @@ pub struct RedisStore {
     /// Completions waiting to go to Redis together, per thread (one Redis
     /// server only; see [`RedisStore::complete`]).
     batches: Option<PerThread<Arc<Mutex<Vec<Completion>>>>>,
+    /// Cleared when the server refuses a batch for spanning hash slots (a
+    /// node in cluster mode behind `url`): completions go one by one.
+    batching: AtomicBool,
     _subscriber: AbortOnDrop,
     _eviction_check: AbortOnDrop,
 }
@@ -516,6 +519,7 @@ impl RedisStore {
             listening,
             native_claim: AtomicBool::new(true),
             batches,
+            batching: AtomicBool::new(true),
             _subscriber: AbortOnDrop(subscriber),
             _eviction_check: AbortOnDrop(eviction_check),
         }
@@ -555,15 +559,28 @@ impl RedisStore {
         args: &[&[u8]],
     ) -> Result<T, StoreError> {
         let mut connection = self.connection().await?;
+        Self::eval_with(&mut connection, script, keys, args)
+            .await
+            .map_err(unavailable)
+    }
+
+    /// [`RedisStore::eval_on`] on `connection`, with Redis's own error.
+    async fn eval_with<T: redis::FromRedisValue>(
+        connection: &mut Conn,
+        script: &Lua,
+        keys: &[&[u8]],
+        args: &[&[u8]],
+    ) -> Result<T, RedisError> {
         match connection
             .query(&script_command("EVALSHA", &script.hash, keys, args))
             .await
         {
-            Err(error) if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => connection
-                .query(&script_command("EVAL", &script.text, keys, args))
-                .await
-                .map_err(unavailable),
-            result => result.map_err(unavailable),
+            Err(error) if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                connection
+                    .query(&script_command("EVAL", &script.text, keys, args))
+                    .await
+            }
+            result => result,
         }
     }
 
@@ -643,19 +660,14 @@ impl RedisStore {
     /// more by COMPLETE_MANY in one call. Answers each.
     async fn complete_together(&self, mut batch: Vec<Completion>) {
         if batch.len() == 1 {
-            let one = batch.pop().expect("one");
-            let result = self
-                .owned(
-                    &self.scripts.complete,
-                    &one.key,
-                    one.owner,
-                    &[&one.record, one.ttl.as_bytes()],
-                )
-                .await;
-            let _ = one.reply.send(result);
+            self.complete_alone(batch.pop().expect("one")).await;
             return;
         }
-        let result: Result<Vec<i64>, StoreError> = {
+        let mut connection = match self.connection().await {
+            Ok(connection) => connection,
+            Err(error) => return fail(batch, &error_chain(&error)),
+        };
+        let result: Result<Vec<i64>, RedisError> = {
             let keys: Vec<RedisKey> = batch.iter().map(|c| RedisKey::of(&c.key)).collect();
             let tokens: Vec<[u8; 16]> = batch.iter().map(|c| codec::owner_bytes(c.owner)).collect();
             let keys: Vec<&[u8]> = keys.iter().map(RedisKey::as_bytes).collect();
@@ -664,9 +676,21 @@ impl RedisStore {
                 .zip(&tokens)
                 .flat_map(|(c, token)| [&token[..], &c.record[..], c.ttl.as_bytes()])
                 .collect();
-            self.eval_on(&self.scripts.complete_many, &keys, &args).await
+            Self::eval_with(&mut connection, &self.scripts.complete_many, &keys, &args).await
         };
         match result {
+            // A node in cluster mode (one shard, behind `url`) takes each
+            // record but no script on keys of several slots; nothing was
+            // written.
+            Err(error) if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::CrossSlot) => {
+                if self.batching.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "this Redis is in cluster mode and refuses several records in one call: \
+                         completing each alone (give a cluster's nodes as `urls` to spread the records)"
+                    );
+                }
+                futures_util::future::join_all(batch.into_iter().map(|one| self.complete_alone(one))).await;
+            }
             Ok(done) if done.len() == batch.len() => {
                 for (completion, done) in batch.into_iter().zip(done) {
                     let answer = match done {
@@ -677,8 +701,21 @@ impl RedisStore {
                 }
             }
             Ok(_) => fail(batch, "Redis answered a batch of completions with the wrong count"),
-            Err(error) => fail(batch, &error_chain(&error)),
+            Err(error) => fail(batch, &error_chain(&unavailable(error))),
         }
+    }
+
+    /// Completes `one` by the completion script, and answers it.
+    async fn complete_alone(&self, one: Completion) {
+        let result = self
+            .owned(
+                &self.scripts.complete,
+                &one.key,
+                one.owner,
+                &[&one.record, one.ttl.as_bytes()],
+            )
+            .await;
+        let _ = one.reply.send(result);
     }
 
     /// Runs `script` if `owner` holds the claim on `key`; `args` follow the
@@ -734,7 +771,7 @@ impl Store for RedisStore {
     ) -> Result<bool, StoreError> {
         let record = codec::completed(fingerprint, &outcome);
         let ttl = ms(ttl).to_string();
-        let Some(batches) = &self.batches else {
+        let Some(batches) = self.batches.as_ref().filter(|_| self.batching.load(Ordering::Relaxed)) else {
             return self
                 .owned(&self.scripts.complete, key, owner, &[&record, ttl.as_bytes()])
                 .await;

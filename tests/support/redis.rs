@@ -85,6 +85,24 @@ impl RedisServer {
         server
     }
 
+    /// A server in cluster mode that alone holds every hash slot: a
+    /// one-shard cluster, as managed services offer.
+    pub fn start_one_shard_cluster() -> RedisServer {
+        let port = free_port(true);
+        let config_file = format!("nodes-{port}.conf");
+        let server = RedisServer::start_with(
+            port,
+            &["--cluster-enabled", "yes", "--cluster-config-file", &config_file],
+        );
+        assert!(server.cli(&["cluster", "addslotsrange", "0", "16383"]).is_some());
+        wait_until("the cluster to be ok", || {
+            server
+                .cli(&["cluster", "info"])
+                .is_some_and(|i| i.contains("cluster_state:ok"))
+        });
+        server
+    }
+
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
