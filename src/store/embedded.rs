@@ -35,7 +35,8 @@
 //! them all; meanwhile [`Store::ping`] fails, so `/readyz` says so.
 //!
 //! Replays of completed records are read from the overlay or a read
-//! transaction without going through the writer. Leases and TTLs are
+//! transaction without going through the writer; a read of the file runs
+//! on tokio's blocking pool, so a slow disk stalls no runtime worker. Leases and TTLs are
 //! wall-clock deadlines in the record, so a claim of a crashed process runs
 //! out after a restart; within a run they are read against the wall clock
 //! at start moved on by the monotonic clock (see [`now_ms`]), so a step of
@@ -263,15 +264,37 @@ impl Shared {
         }
     }
 
-    /// The record under `key`, newest first, expired or not.
-    fn lookup(&self, key: &RecordKey) -> Result<Option<Stored>, StoreError> {
-        Ok(self.find(key, None)?.stored)
+    /// The record under `key`, newest first, expired or not, for a
+    /// request: a read of the file runs on tokio's blocking pool, so a
+    /// slow disk holds neither a runtime worker nor the store's deadline,
+    /// which fires all the same.
+    async fn fetch(self: &Arc<Self>, key: &RecordKey) -> Result<Found, StoreError> {
+        match self.peek(key, None) {
+            Ok(found) => Ok(found),
+            Err(generation) => {
+                let (shared, key) = (self.clone(), *key);
+                tokio::task::spawn_blocking(move || shared.read(&key, generation))
+                    .await
+                    .map_err(unavailable)?
+            }
+        }
     }
 
-    /// The record under `key`. With `absent_at`, a record that is not in
-    /// the overlay is known to be absent from the file as long as no
-    /// checkpoint landed since that generation, and the file is not read.
+    /// The record under `key`, on this thread (the writer's). With
+    /// `absent_at`, a record that is not in the overlay is known to be
+    /// absent from the file as long as no checkpoint landed since that
+    /// generation, and the file is not read.
     fn find(&self, key: &RecordKey, absent_at: Option<u64>) -> Result<Found, StoreError> {
+        match self.peek(key, absent_at) {
+            Ok(found) => Ok(found),
+            Err(generation) => self.read(key, generation),
+        }
+    }
+
+    /// The record under `key` as memory knows it: from the overlay, or
+    /// absent by `absent_at` or the key filter. Otherwise the overlay's
+    /// generation, for [`Shared::read`].
+    fn peek(&self, key: &RecordKey, absent_at: Option<u64>) -> Result<Found, u64> {
         let generation = {
             let overlay = lock(&self.overlay);
             if let Some(change) = overlay.active.get(&key.0).or_else(|| overlay.frozen.get(&key.0)) {
@@ -296,6 +319,12 @@ impl Shared {
                 generation,
             });
         }
+        Err(generation)
+    }
+
+    /// The record under `key` in the file, after the overlay (at
+    /// `generation`) missed it.
+    fn read(&self, key: &RecordKey, generation: u64) -> Result<Found, StoreError> {
         // Opened after the overlay missed: a checkpoint that emptied the
         // overlay meanwhile has committed, and this transaction sees it.
         let txn = self.db.begin_read().map_err(unavailable)?;
@@ -465,7 +494,7 @@ impl Store for EmbeddedStore {
         // A completed record changes only by expiring: answer replays (that
         // refresh nothing) and other outcomes (never refreshed) from what is
         // published, without the writer.
-        let found = self.shared.find(key, None)?;
+        let found = self.shared.fetch(key).await?;
         let absent_at = found.stored.is_none().then_some(found.generation);
         if let Some(stored) = found.stored
             && stored.deadline > now_ms()
@@ -533,7 +562,7 @@ impl Store for EmbeddedStore {
         let notified = registration.notify.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        let Some(stored) = self.shared.lookup(key)? else {
+        let Some(stored) = self.shared.fetch(key).await?.stored else {
             return Ok(());
         };
         let now = now_ms();
@@ -559,7 +588,7 @@ impl Store for EmbeddedStore {
 
     async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
         let now = now_ms();
-        match self.shared.lookup(key)? {
+        match self.shared.fetch(key).await?.stored {
             Some(stored) if stored.deadline > now => Ok(Some((
                 codec::decode(stored.record)?,
                 Duration::from_millis(stored.deadline - now),
