@@ -101,3 +101,33 @@ async fn failed_lease_renewals_log_a_line_a_second() {
         .sum();
     assert!(counted >= 5, "{lines:#?}");
 }
+
+/// A Redis user the ACL denies the completion channel (Redis 7's default
+/// for new users): the log says so once, naming the channel to grant, not
+/// at every try to subscribe again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_completion_subscription_is_logged_once_naming_the_channel() {
+    let logs = captured();
+    let redis = support::redis::RedisServer::start_with_args(&["--acl-pubsub-default", "resetchannels"]);
+    redis
+        .cli(&["acl", "setuser", "gate", "on", ">s3cret-pw", "~*", "+@all"])
+        .expect("the user is made");
+    let _store = redis_store(&redis.url().replace("redis://", "redis://gate:s3cret-pw@"));
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let refused: Vec<_> = text
+        .lines()
+        .filter(|line| line.contains("cannot subscribe to Redis completions") && line.contains("NoPerm"))
+        .collect();
+    assert_eq!(refused.len(), 1, "{refused:?} {text}");
+    assert!(refused[0].contains("`&idemgate:done`"), "{refused:?}");
+    assert!(!text.contains("s3cret-pw"), "{text}");
+    // It was tried again meanwhile, without another line.
+    let stats = redis.cli(&["info", "errorstats"]).unwrap();
+    let tries: u32 = stats
+        .lines()
+        .find_map(|l| l.strip_prefix("errorstat_NOPERM:count="))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0);
+    assert!(tries >= 2, "{stats}");
+}

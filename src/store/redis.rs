@@ -939,31 +939,59 @@ fn refused(error: &RedisError) -> bool {
 }
 
 /// Keeps one subscription to [`CHANNEL`] alive, trying each node in turn,
-/// and wakes the local waiters of every key announced on it.
+/// and wakes the local waiters of every key announced on it. A failure to
+/// subscribe (a node down, a user the ACL denies the channel) is logged
+/// once until a subscription holds again; the tries back off to one every
+/// [`SUBSCRIBE_BACKOFF`].
 async fn listen(nodes: Vec<redis::Client>, waiters: Arc<Waiters>, listening: Arc<AtomicBool>) {
     let mut next = 0;
+    let mut pause = Duration::from_millis(250);
+    let mut warned = false;
     loop {
         let node = &nodes[next % nodes.len()];
         next += 1;
-        if let Ok(mut pubsub) = node.get_async_pubsub().await
-            && pubsub.subscribe(CHANNEL).await.is_ok()
-        {
-            listening.store(true, Ordering::Relaxed);
-            // Whatever completed while nobody listened: re-check now.
-            waiters.wake_all();
-            let mut messages = pubsub.on_message();
-            while let Some(message) = messages.next().await {
-                if let Some(key) = record_key_of(message.get_payload_bytes()) {
-                    waiters.wake(&key);
+        let subscribed = async {
+            let mut pubsub = node.get_async_pubsub().await?;
+            pubsub.subscribe(CHANNEL).await?;
+            Ok::<_, RedisError>(pubsub)
+        };
+        match subscribed.await {
+            Ok(mut pubsub) => {
+                listening.store(true, Ordering::Relaxed);
+                if warned {
+                    tracing::info!("subscribed to Redis completions again");
                 }
+                (pause, warned) = (Duration::from_millis(250), false);
+                // Whatever completed while nobody listened: re-check now.
+                waiters.wake_all();
+                let mut messages = pubsub.on_message();
+                while let Some(message) = messages.next().await {
+                    if let Some(key) = record_key_of(message.get_payload_bytes()) {
+                        waiters.wake(&key);
+                    }
+                }
+                listening.store(false, Ordering::Relaxed);
+                tracing::warn!("lost the Redis completion subscription; reconnecting");
             }
-            listening.store(false, Ordering::Relaxed);
-            tracing::warn!("lost the Redis completion subscription; reconnecting");
+            Err(error) => {
+                if !warned {
+                    warned = true;
+                    tracing::warn!(
+                        error = %error_chain(&unavailable(error)),
+                        "cannot subscribe to Redis completions on channel {CHANNEL}; waiting requests \
+                         re-check twice a second until it can (a Redis user needs the channel: `&{CHANNEL}`)"
+                    );
+                }
+                pause = (pause * 2).min(SUBSCRIBE_BACKOFF);
+            }
         }
         waiters.wake_all();
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(pause).await;
     }
 }
+
+/// The longest pause between tries to subscribe.
+const SUBSCRIBE_BACKOFF: Duration = Duration::from_secs(5);
 
 #[cfg(test)]
 mod tests {
