@@ -60,8 +60,10 @@ pub struct Exchange {
     pub client_timeout: Duration,
 }
 
-/// Holds a claim: renews its lease while the exchange runs long, releases
-/// it when dropped unless it was completed or released on purpose.
+/// Holds a claim: renews its lease while the exchange runs long, and when
+/// dropped unsettled (the exchange panicked) settles it as an upstream
+/// failure would: released, or, once the request may have gone upstream on
+/// a route with `on_upstream_failure = "unknown"`, completed as unknown.
 ///
 /// Most exchanges end well within a third of the lease, so the renewal task
 /// is only spawned once one has run that long (see [`ClaimGuard::renewing_until`]).
@@ -77,6 +79,10 @@ struct ClaimGuard {
     claimed_at: Instant,
     renewal: Option<JoinHandle<()>>,
     settled: bool,
+    /// Set once the request may have reached the upstream on a route with
+    /// `on_upstream_failure = "unknown"`: the `ttl` of the unknown outcome
+    /// an unsettled drop records.
+    unknown_for: Option<Duration>,
 }
 
 impl ClaimGuard {
@@ -98,6 +104,16 @@ impl ClaimGuard {
             claimed_at,
             renewal: None,
             settled: false,
+            unknown_for: None,
+        }
+    }
+
+    /// Marks the request as possibly sent: from here, an exchange that ends
+    /// unsettled (a panic) must not let a retry run it again when the route
+    /// keeps such outcomes as unknown.
+    fn sending(&mut self, policy: &Policy) {
+        if policy.on_upstream_failure == OnUpstreamFailure::Unknown {
+            self.unknown_for = Some(policy.ttl);
         }
     }
 
@@ -227,7 +243,24 @@ impl Drop for ClaimGuard {
         if let Some(renewal) = self.renewal.take() {
             renewal.abort();
         }
-        self.context.store.release_in_background(self.key, self.owner);
+        let Some(ttl) = self.unknown_for else {
+            return self.context.store.release_in_background(self.key, self.owner);
+        };
+        if tokio::runtime::Handle::try_current().is_err() {
+            // Shutting down: the lease runs out instead.
+            return;
+        }
+        tracing::warn!(key = %self.key.tag(), "the request may have been sent: its outcome is recorded as unknown");
+        let guard = ClaimGuard {
+            context: self.context.clone(),
+            renewal: None,
+            settled: false,
+            unknown_for: None,
+            ..*self
+        };
+        // Counted as held again while it completes (this one is no more).
+        guard.context.metrics.claim_taken();
+        self.context.exchanges.spawn(guard.complete(Outcome::Unknown, ttl));
     }
 }
 
@@ -375,12 +408,12 @@ pub async fn run(tracker: &TaskTracker, exchange: Exchange) -> Response<Response
         if let Some(exchange) = &mut handoff.exchange {
             // A panic ends the exchange, not the client's connection (as
             // the runtime would for a task): its reply is dropped, so the
-            // client gets a 502, and its guard releases the claim.
+            // client gets a 502, and its guard settles the claim.
             match std::panic::catch_unwind(AssertUnwindSafe(|| exchange.as_mut().poll(cx))) {
                 Ok(Poll::Pending) => {}
                 Ok(Poll::Ready(())) => handoff.exchange = None,
                 Err(_) => {
-                    tracing::error!("the exchange panicked; its claim is released");
+                    tracing::error!("the exchange panicked; its claim is settled as an upstream failure");
                     handoff.exchange = None;
                 }
             }
@@ -446,6 +479,7 @@ impl Exchange {
         // the latency run from there.
         let started = answered_at;
         let deadline = started + timeout;
+        guard.sending(policy);
         let sent = guard
             .renewing_until(deadline, std::pin::pin!(context.client.request(request, OnStale::Fail)))
             .await;
@@ -717,6 +751,56 @@ mod tests {
         // Declared past the limit: nothing reserved, nothing kept.
         let declared = Recorder::new(1 << 20, 2 << 20);
         assert!(declared.over_limit && declared.body.capacity() == 0);
+    }
+
+    /// A guard dropped unsettled (its exchange panicked) releases the claim
+    /// before the request may have gone, and after it on a route with
+    /// `on_upstream_failure = "release"`; on one with `"unknown"` it records
+    /// the outcome as unknown, so a retry cannot run the request again.
+    #[tokio::test]
+    async fn a_guard_dropped_unsettled_settles_as_an_upstream_failure_would() {
+        let config = crate::config::Config::parse(
+            "[upstream]\nurl = \"http://127.0.0.1:9\"\n\
+             [[route]]\nname = \"release\"\npath = \"/a\"\n\
+             [[route]]\nname = \"unknown\"\npath = \"/b\"\non_upstream_failure = \"unknown\"\n",
+            "test.toml",
+        )
+        .unwrap();
+        let store = StoreHandle::memory(MemoryStore::new(1 << 20), Duration::from_secs(1));
+        let context = Arc::new(Context {
+            store: store.clone(),
+            client: super::super::upstream::client(&config.upstream).unwrap(),
+            metrics: Arc::default(),
+            exchanges: TaskTracker::new(),
+        });
+        let lease = Duration::from_secs(30);
+        let fingerprint = Fingerprint([2; 32]);
+        for (n, (policy, sent)) in [(0, false), (0, true), (1, false), (1, true)].into_iter().enumerate() {
+            let (key, owner) = (RecordKey([n as u8; 32]), Owner(n as u128 + 1));
+            store.claim(&key, &fingerprint, owner, lease, None).await.unwrap();
+            let mut guard = ClaimGuard::new(context.clone(), key, fingerprint, owner, lease, Instant::now());
+            if sent {
+                guard.sending(&config.routes[policy].policy);
+            }
+            drop(guard);
+            let unknown = policy == 1 && sent;
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            loop {
+                let found = store.inspect(&key).await.unwrap().map(|(record, _)| record);
+                match found {
+                    None if !unknown => break,
+                    Some(Record::Completed {
+                        outcome: Outcome::Unknown,
+                        ..
+                    }) if unknown => break,
+                    found => assert!(std::time::Instant::now() < deadline, "case {n}: {found:?}"),
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        context.exchanges.close();
+        context.exchanges.wait().await;
+        assert_eq!(context.metrics.claims_in_flight(), 0);
     }
 
     #[tokio::test]
