@@ -140,20 +140,26 @@ pub fn prepare(request: &mut Request<ClientBody>, upstream: &Uri, peer: Peer) {
     // one lookup of the name whether it is there or not.
     let entry = headers.entry(X_FORWARDED_FOR.clone());
     let value = match &entry {
+        // As bytes: a line with bytes past ASCII (obs-text) is passed on
+        // as it came, not dropped.
         Entry::Occupied(earlier) => {
-            let mut forwarded_for = String::with_capacity(64);
-            let earlier = earlier.iter().filter_map(|v| v.to_str().ok()).map(str::trim);
+            let mut forwarded_for = Vec::with_capacity(64);
+            let earlier = earlier.iter().map(|v| v.as_bytes().trim_ascii());
             for hop in earlier.filter(|v| !v.is_empty()) {
-                forwarded_for.push_str(hop);
-                forwarded_for.push_str(", ");
+                forwarded_for.extend_from_slice(hop);
+                forwarded_for.extend_from_slice(b", ");
             }
-            push_ip(&mut forwarded_for, peer.addr.ip());
-            HeaderValue::from_str(&forwarded_for)
+            let mut client = String::with_capacity(39);
+            push_ip(&mut client, peer.addr.ip());
+            forwarded_for.extend_from_slice(client.as_bytes());
+            HeaderValue::from_bytes(&forwarded_for)
         }
         Entry::Vacant(_) => Ok(client_address(peer.addr.ip())),
     };
     match (entry, value) {
-        (Entry::Occupied(mut entry), Ok(value)) => drop(entry.insert_mult(value)),
+        // `insert`, not `insert_mult`: http 1.5 panics draining three or more
+        // values through `insert_mult`.
+        (Entry::Occupied(mut entry), Ok(value)) => drop(entry.insert(value)),
         (Entry::Occupied(entry), Err(_)) => drop(entry.remove_entry_mult()),
         (Entry::Vacant(entry), Ok(value)) => drop(entry.insert(value)),
         (Entry::Vacant(_), Err(_)) => {}
