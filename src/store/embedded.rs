@@ -381,6 +381,8 @@ impl EmbeddedStore {
             .set_cache_size(CACHE_BYTES)
             .create(path)
             .map_err(unavailable)?;
+        // redb holds the file locked: no other process makes these now.
+        Wal::remove_temporaries(path);
         let segments = Wal::segments(path).map_err(unavailable)?;
         let next = {
             let txn = db.begin_write().map_err(unavailable)?;
@@ -662,6 +664,34 @@ impl Wal {
         }
         found.sort();
         Ok(found)
+    }
+
+    /// Removes the temporary files of zero-fills a crash cut short
+    /// (`<segment or spare>.new`, see [`Wal::zero_filled`]): each is up to
+    /// a segment of disk nobody would reclaim. Only while the store opens,
+    /// when nothing else makes one; a failure is a warning, as the store
+    /// works without the room.
+    fn remove_temporaries(path: &Path) {
+        let prefix = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        let removed = || -> std::io::Result<()> {
+            for entry in fs::read_dir(parent(path))? {
+                let entry = entry?;
+                let name = entry.file_name();
+                let temporary = name
+                    .to_str()
+                    .and_then(|n| n.strip_prefix(&prefix))
+                    .and_then(|n| n.strip_prefix("-wal.").or_else(|| n.strip_prefix("-wal-spare.")))
+                    .and_then(|n| n.strip_suffix(".new"))
+                    .is_some_and(|number| number.parse::<u64>().is_ok());
+                if temporary && entry.file_type()?.is_file() {
+                    fs::remove_file(entry.path())?;
+                }
+            }
+            Ok(())
+        };
+        if let Err(error) = removed() {
+            tracing::warn!(%error, "removing the embedded store's half-made log segments failed");
+        }
     }
 
     /// The segments beside `path`, oldest first.
@@ -1579,6 +1609,28 @@ mod tests {
         fs::write(target.join("occupied"), b"").unwrap();
         assert!(Wal::zero_filled(&target).is_err());
         assert!(!Wal::named(&target, ".new").exists());
+    }
+
+    /// Zero-fills a crash cut short leave their temporary files: opening
+    /// the store removes them, and nothing else beside it.
+    #[tokio::test]
+    async fn temporary_files_a_crash_left_are_removed_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.redb");
+        drop(EmbeddedStore::open(&path).unwrap());
+        let left = ["t.redb-wal.000009.new", "t.redb-wal-spare.7.new"];
+        let kept = ["t.redb-wal.x.new", "other.redb-wal.000009.new", "t.redb.new"];
+        for name in left.iter().chain(&kept) {
+            fs::write(dir.path().join(name), b"partly zero-filled").unwrap();
+        }
+        let store = reopen(&path);
+        for name in left {
+            assert!(!dir.path().join(name).exists(), "{name} is still there");
+        }
+        for name in kept {
+            assert!(dir.path().join(name).exists(), "{name} was removed");
+        }
+        assert!(store.ping().await.is_ok());
     }
 
     /// Opens `path` once the last store on it has let go of the file.
