@@ -72,6 +72,11 @@ const APPLIED_BELOW: &str = "applied_below";
 
 /// Most operations decided and synced together.
 const MAX_BATCH: usize = 1024;
+/// Most operations queued for the writer. Past it (the disk has stalled),
+/// an operation is refused at once, unsent, rather than queued behind
+/// thousands whose callers gave up at their deadline; a full batch is far
+/// below it. (Tests fill a smaller queue.)
+const QUEUE_OPS: usize = if cfg!(test) { 256 } else { 16 * MAX_BATCH };
 /// The overlay is checkpointed this often, or when it holds this much.
 /// (Unit tests checkpoint often, to see records go through the file.)
 const CHECKPOINT_EVERY: Duration = if cfg!(test) {
@@ -337,7 +342,7 @@ impl Shared {
 
 pub struct EmbeddedStore {
     shared: Arc<Shared>,
-    ops: std_mpsc::Sender<Op>,
+    ops: std_mpsc::SyncSender<Op>,
     waiters: Arc<Waiters>,
 }
 
@@ -424,7 +429,7 @@ impl EmbeddedStore {
             filter: KeyFilter::default(),
         });
         let waiters = Arc::new(Waiters::default());
-        let (ops, rx) = std_mpsc::channel();
+        let (ops, rx) = std_mpsc::sync_channel(QUEUE_OPS);
         let (checkpoints, checkpoint_rx) = std_mpsc::channel();
         let writer = Writer {
             shared: shared.clone(),
@@ -478,7 +483,10 @@ impl EmbeddedStore {
 
     async fn send<T>(&self, op: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> Op) -> Result<T, StoreError> {
         let (reply, answer) = oneshot::channel();
-        self.ops.send(op(reply)).map_err(|_| unavailable(WriterGone))?;
+        self.ops.try_send(op(reply)).map_err(|error| match error {
+            std_mpsc::TrySendError::Full(_) => StoreError::NotSent("the embedded store's writer is behind".into()),
+            std_mpsc::TrySendError::Disconnected(_) => unavailable(WriterGone),
+        })?;
         answer.await.map_err(|_| unavailable(WriterGone))?
     }
 }
@@ -1399,7 +1407,7 @@ mod tests {
         store.ping().await.unwrap();
         // A writer that died: its end of the queue is dropped. Reads of the
         // file still work, but no claim would be answered.
-        let (ops, gone) = std_mpsc::channel();
+        let (ops, gone) = std_mpsc::sync_channel(1);
         drop(gone);
         store.ops = ops;
         assert!(matches!(store.ping().await, Err(StoreError::Unavailable(_))));
@@ -1555,16 +1563,17 @@ mod tests {
         assert!(matches!(conflict.await.unwrap(), Claim::InFlight { .. }));
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_failure_lets_go_of_a_writer_waiting_on_a_checkpoint() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = EmbeddedStore::open(&dir.path().join("w.redb")).unwrap();
+    /// Stalls the writer of `store`: the checkpoint thread hangs on the
+    /// write transaction returned (hold it), and the overlay is filled past
+    /// its limit, so the writer waits for that checkpoint and answers
+    /// nothing.
+    async fn stall(store: &EmbeddedStore) -> redb::WriteTransaction {
         // The checkpoint thread waits for this transaction: checkpoints hang.
         let blocker = store.shared.db.begin_write().unwrap();
         let body = Bytes::from(vec![b'z'; 100 * 1024]);
         let (fingerprint, ttl) = (Fingerprint([1; 32]), Duration::from_secs(60));
         let put = |i: u8| {
-            let (store, outcome) = (&store, answer(&body));
+            let outcome = answer(&body);
             async move {
                 let (key, owner) = (RecordKey([i; 32]), Owner::new());
                 store.claim(&key, &fingerprint, owner, ttl, None).await.unwrap();
@@ -1586,6 +1595,41 @@ mod tests {
             answered += 1;
             assert!(answered < 100, "the writer never waited");
         }
+        blocker
+    }
+
+    /// A writer that has stalled takes operations up to its queue's bound;
+    /// past it, one is refused at once, as never sent.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_writer_refuses_operations_past_its_queue_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&dir.path().join("q.redb")).unwrap();
+        let blocker = stall(&store).await;
+        let (fingerprint, lease) = (Fingerprint([1; 32]), Duration::from_secs(60));
+        let mut queued = 0usize;
+        let refused = loop {
+            let mut key = RecordKey([0; 32]);
+            key.0[..8].copy_from_slice(&(queued as u64 + 1000).to_be_bytes());
+            let claim = store.claim(&key, &fingerprint, Owner::new(), lease, None);
+            match futures_util::FutureExt::now_or_never(claim) {
+                // Queued: its caller gives up.
+                None => queued += 1,
+                Some(answer) => break answer,
+            }
+            assert!(queued <= QUEUE_OPS, "the queue took more than {QUEUE_OPS}");
+        };
+        assert!(matches!(refused, Err(StoreError::NotSent(_))), "{refused:?}");
+        assert!(queued >= QUEUE_OPS - 1, "refused after {queued}");
+        store.shared.fail("stopped (in a test)".into());
+        blocker.abort().unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failure_lets_go_of_a_writer_waiting_on_a_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&dir.path().join("w.redb")).unwrap();
+        let blocker = stall(&store).await;
+        let (fingerprint, ttl) = (Fingerprint([1; 32]), Duration::from_secs(60));
         let claim = |i: u8| {
             let store = &store;
             async move {
