@@ -319,6 +319,15 @@ fn check_output_masks_redis_passwords() {
         assert!(!described.contains("s3cret"), "{described}");
         assert!(described.contains(":***@127.0.0.1"), "{described}");
     }
+    // A Unix socket's URL carries its password in the query.
+    let text = "[upstream]\nurl = \"http://h:1\"\n[store]\nbackend = \"redis\"\n\
+        url = \"redis+unix:///run/redis.sock?db=2&pass=s3cret&user=app\"\n";
+    let described = idemgate::config::describe(&Config::parse(text, "x.toml").unwrap());
+    assert!(!described.contains("s3cret"), "{described}");
+    assert!(
+        described.contains("redis+unix:///run/redis.sock?db=2&pass=***&user=app"),
+        "{described}"
+    );
 }
 
 #[test]

@@ -91,19 +91,43 @@ impl std::fmt::Debug for StoreBackend {
     }
 }
 
-/// `url` with the password of its user part, if any, shown as `***`.
+/// `url` with its passwords shown as `***`: that of its user part, and
+/// the `pass` (or `password`) of its query, which a Unix socket's URL
+/// carries (`redis+unix:///run/redis.sock?pass=...`).
 fn masked(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
+    let (url, query) = match url.split_once('?') {
+        Some((url, query)) => (url, Some(query)),
+        None => (url, None),
     };
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
-        return url.to_string();
-    };
-    match rest[..at].split_once(':') {
-        Some((user, _password)) => format!("{scheme}://{user}:***{}", &rest[at..]),
+    let mut out = match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let authority_end = rest.find('/').unwrap_or(rest.len());
+            match rest[..authority_end]
+                .rfind('@')
+                .and_then(|at| Some((rest[..at].split_once(':')?.0, at)))
+            {
+                Some((user, at)) => format!("{scheme}://{user}:***{}", &rest[at..]),
+                None => url.to_string(),
+            }
+        }
         None => url.to_string(),
+    };
+    if let Some(query) = query {
+        out.push('?');
+        for (i, pair) in query.split('&').enumerate() {
+            if i > 0 {
+                out.push('&');
+            }
+            match pair.split_once('=') {
+                Some((name, _)) if matches!(name, "pass" | "password") => {
+                    out.push_str(name);
+                    out.push_str("=***");
+                }
+                _ => out.push_str(pair),
+            }
+        }
     }
+    out
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
