@@ -311,7 +311,7 @@ fn leases_and_ttls_shorter_than_a_second_are_refused() {
 fn check_output_masks_redis_passwords() {
     for store in [
         "backend = \"redis\"\nurl = \"redis://:s3cret@127.0.0.1:6379/0\"",
-        "backend = \"redis\"\nurls = [\"redis://app:s3cret@127.0.0.1:7000\", \"redis://127.0.0.1:7001\"]",
+        "backend = \"redis\"\nurls = [\"redis://app:s3cret@127.0.0.1:7000\", \"redis://app:s3cret@127.0.0.1:7001\"]",
     ] {
         let text = format!("[upstream]\nurl = \"http://h:1\"\n[store]\n{store}\n");
         let config = Config::parse(&text, "x.toml").unwrap();
@@ -375,6 +375,22 @@ fn an_admin_listener_off_loopback_needs_a_token() {
 }
 
 #[test]
+fn the_admin_listener_cannot_share_the_proxys_address() {
+    let text =
+        "[server]\nlisten = \"127.0.0.1:8080\"\nadmin_listen = \"127.0.0.1:8080\"\n[upstream]\nurl = \"http://h:1\"\n";
+    let error = Config::parse(text, "x.toml").unwrap_err().to_string();
+    assert!(
+        error.contains("server.admin_listen") && error.contains("127.0.0.1:8080"),
+        "{error}"
+    );
+    Config::parse(
+        &text.replace("admin_listen = \"127.0.0.1:8080\"", "admin_listen = \"\""),
+        "x.toml",
+    )
+    .unwrap();
+}
+
+#[test]
 fn store_paths_and_urls_are_checked_before_anything_is_bound() {
     let base = "[upstream]\nurl = \"http://h:1\"\n[store]\n";
     for (store, field, says) in [
@@ -393,6 +409,13 @@ fn store_paths_and_urls_are_checked_before_anything_is_bound() {
             "backend = \"redis\"\nurls = [\"redis://127.0.0.1:7000\", \"127.0.0.1 7001\"]",
             "store.urls",
             "is not a Redis URL",
+        ),
+        ("backend = \"redis\"\nurl = \"\"", "store.url", "is empty"),
+        // Each a Redis URL, but not of one cluster: `serve` could not open it.
+        (
+            "backend = \"redis\"\nurls = [\"redis://:pw@127.0.0.1:7000\", \"redis://:other@127.0.0.1:7001\"]",
+            "store.urls",
+            "cannot name one Redis Cluster",
         ),
     ] {
         let error = Config::parse(&format!("{base}{store}\n"), "x.toml")

@@ -409,6 +409,16 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             },
         ),
     };
+    // (Port 0 picks a free port for each.)
+    if server.admin_listen == Some(server.listen) && server.listen.port() != 0 {
+        c.problem(
+            "server.admin_listen",
+            format!(
+                "is server.listen's address ({}): give it another port, or \"\" for none",
+                server.listen
+            ),
+        );
+    }
     if let Some(admin) = server.admin_listen
         && !admin.ip().is_loopback()
         && server.admin_token.is_none()
@@ -472,6 +482,10 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
                 StoreBackend::Redis { url: String::new() }
             }
             (None, Some(urls)) => StoreBackend::RedisCluster { urls: urls.clone() },
+            (Some(url), None) if url.is_empty() => {
+                c.problem("store.url", "is empty: give a Redis URL (redis://host:port/db)");
+                StoreBackend::Redis { url: String::new() }
+            }
             (url, None) => StoreBackend::Redis {
                 url: url.clone().unwrap_or_else(|| "redis://127.0.0.1:6379/0".to_string()),
             },
@@ -511,7 +525,17 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             }
         }
         StoreBackend::Redis { url } if !url.is_empty() => redis_url(&mut c, "store.url", url),
-        StoreBackend::RedisCluster { urls } => urls.iter().for_each(|url| redis_url(&mut c, "store.urls", url)),
+        StoreBackend::RedisCluster { urls } => {
+            let problems = c.problems.len();
+            urls.iter().for_each(|url| redis_url(&mut c, "store.urls", url));
+            // Each a Redis URL, and together one cluster's: the same
+            // password and database, no Unix socket.
+            if c.problems.len() == problems
+                && let Err(error) = redis::cluster::ClusterClient::new(urls.iter().map(String::as_str))
+            {
+                c.problem("store.urls", format!("cannot name one Redis Cluster ({error})"));
+            }
+        }
         _ => {}
     }
     let store = StoreConfig {
