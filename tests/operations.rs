@@ -367,6 +367,21 @@ async fn operators_look_up_and_purge_records_behind_a_token() {
         .send("GET", &admin, &[("authorization", "Bearer s3creT")], "")
         .await;
     assert_eq!(wrong.status, StatusCode::UNAUTHORIZED);
+    for wrong in [
+        "Bearer s3cret2",
+        "Bearer s3cre",
+        "Basic s3cret",
+        "s3cret",
+        "Bearers3cret",
+    ] {
+        let refused = client.send("GET", &admin, &[("authorization", wrong)], "").await;
+        assert_eq!(refused.status, StatusCode::UNAUTHORIZED, "{wrong}");
+    }
+    // The scheme is case-insensitive (RFC 9110 §11.1).
+    let lower = client
+        .send("GET", &admin, &[("authorization", "bearer s3cret")], "")
+        .await;
+    assert_eq!(lower.status, StatusCode::OK, "{}", lower.text());
     let found = client.send("GET", &admin, &auth, "").await;
     assert_eq!(found.status, StatusCode::OK, "{}", found.text());
     let doc: serde_json::Value = serde_json::from_slice(&found.body).unwrap();
