@@ -321,6 +321,47 @@ async fn shutdown_drains_requests_and_exchanges_whose_clients_left() {
     }
 }
 
+/// Without a token, a loopback admin listener answers /records only to
+/// requests for this machine: a web page whose name was rebound to
+/// 127.0.0.1 sends its own name as the host, and could purge otherwise.
+#[tokio::test]
+async fn a_tokenless_records_page_answers_only_requests_for_this_machine() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(&upstream.url(), "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n").await;
+    let client = TestClient::default();
+    let admin = proxy.admin.unwrap();
+    let records = format!("http://{admin}/records?route=orders&key=k1");
+    for (method, host) in [
+        ("GET", "evil.example"),
+        ("DELETE", "evil.example:9901"),
+        ("GET", "127.0.0.1.evil.example"),
+    ] {
+        let refused = client.send(method, &records, &[("host", host)], "").await;
+        assert_eq!(refused.status, StatusCode::FORBIDDEN, "{method} {host}");
+        assert_eq!(refused.problem(), "forbidden");
+    }
+    let port = admin.port().to_string();
+    for host in ["localhost", &format!("LocalHost:{port}"), "127.0.0.2", "[::1]:9901"] {
+        let answered = client.send("GET", &records, &[("host", host)], "").await;
+        assert_eq!(answered.status, StatusCode::NOT_FOUND, "{host}: {}", answered.text());
+        assert!(answered.text().contains("absent"), "{host}");
+    }
+    // As the command line and curl send it: the listener's own address.
+    assert_eq!(
+        client.send("GET", &records, &[], "").await.status,
+        StatusCode::NOT_FOUND
+    );
+    // The other pages tell nothing a page could misuse.
+    let metrics = format!("http://{admin}/metrics");
+    assert_eq!(
+        client
+            .send("GET", &metrics, &[("host", "evil.example")], "")
+            .await
+            .status,
+        StatusCode::OK
+    );
+}
+
 #[tokio::test]
 async fn operators_look_up_and_purge_records_behind_a_token() {
     let _ = captured();

@@ -198,6 +198,13 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
             );
             return response;
         }
+    } else if !for_this_machine(request) {
+        return problem(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "without server.admin_token, /records answers only requests for localhost or a loopback \
+             address (Host), so a web page cannot reach it by DNS rebinding",
+        );
     }
     let (mut route, mut key, mut scope) = (None, None, Vec::new());
     for (name, value) in form_urlencoded::parse(request.uri().query().unwrap_or("").as_bytes()) {
@@ -262,6 +269,22 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
         }
         Err(error) => store_unavailable(&error),
     }
+}
+
+/// Whether `request` names this machine as its host (`localhost` or a
+/// loopback address, any port), or names none. A web page whose name was
+/// rebound to 127.0.0.1 reaches a loopback listener with its own name as
+/// the host: that is what a tokenless `/records` refuses.
+fn for_this_machine(request: &Request<Incoming>) -> bool {
+    let Some(host) = request.headers().get(http::header::HOST) else {
+        return true;
+    };
+    let Ok(authority) = host.to_str().unwrap_or("").parse::<http::uri::Authority>() else {
+        return false;
+    };
+    let host = authority.host();
+    let literal = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    host.eq_ignore_ascii_case("localhost") || literal.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// A request to an admin listener, for the command line: the status and body.
