@@ -163,7 +163,9 @@ async fn heads_that_could_smuggle_a_request_are_refused() {
 }
 
 /// Routes match paths: a target with none is refused, where it passed every
-/// route by and reached the backend as `/`.
+/// route by and reached the backend as `/`. And methods: one not in
+/// capitals is refused, where a backend that capitalizes it would run
+/// `post` as a POST the route never saw.
 #[tokio::test]
 async fn targets_without_a_path_are_refused_and_options_star_passes_through() {
     let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
@@ -174,6 +176,10 @@ async fn targets_without_a_path_are_refused_and_options_star_passes_through() {
         "POST 127.0.0.1:80 HTTP/1.1",
         "CONNECT 127.0.0.1:443 HTTP/1.1",
         "POST * HTTP/1.1",
+        "post /v1/orders HTTP/1.1",
+        "Post /v1/orders HTTP/1.1",
+        "PO!ST /v1/orders HTTP/1.1",
+        "get /v1/orders HTTP/1.1",
     ] {
         let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
         let wire = format!(
@@ -193,6 +199,14 @@ async fn targets_without_a_path_are_refused_and_options_star_passes_through() {
     .await;
     assert!(seen.starts_with("HTTP/1.1 201"), "{seen}");
     assert_eq!(upstream.seen()[0].uri, "*");
+    // Extension methods in capitals pass through.
+    for method in ["PROPFIND", "VERSION-CONTROL", "M_SEARCH"] {
+        let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+        let wire = format!("{method} /dav HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+        let seen = until_close(&mut stream, wire.as_bytes()).await;
+        assert!(seen.starts_with("HTTP/1.1 201"), "{method}: {seen}");
+    }
+    assert_eq!(upstream.hits(), 4);
 }
 
 /// Heads the listener cannot serve get nginx's statuses, each a problem

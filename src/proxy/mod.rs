@@ -220,6 +220,16 @@ impl Gateway {
         // `/`; it is CONNECT's alone (RFC 9112 §3.2.3), and idemgate makes
         // no tunnels. `*` is OPTIONS's alone, and passes through.
         let (method, path) = (request.method(), request.uri().path());
+        // As nginx: a method is capitals, `_` and `-`. A backend that
+        // capitalizes what it gets (Django, Werkzeug) would run `post` as
+        // POST, past the route that makes POST idempotent.
+        if !method
+            .as_str()
+            .bytes()
+            .all(|b| b.is_ascii_uppercase() || b == b'_' || b == b'-')
+        {
+            return Routed::Refused("the method must be in capitals (A-Z, `_`, `-`), as `POST`");
+        }
         if method == Method::CONNECT {
             return Routed::Refused("CONNECT is not supported: idemgate forwards requests, it makes no tunnels");
         }
