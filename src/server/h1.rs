@@ -392,8 +392,11 @@ impl<S: AsyncRead + AsyncWrite + Reset + Unpin> Connection<S> {
     /// Ready when the client has hung up (an EOF or an error), watched
     /// while an answer is made. It reads only while nothing is buffered:
     /// bytes of a next (pipelined) request stay for later, and reading then
-    /// stops, as hyper does, so a client that sends its requests and then
-    /// closes its side still gets every answer.
+    /// stops, so a client that sends its requests and then closes its side
+    /// gets the answers to all but the last; once that one is read, the
+    /// EOF says the client has gone, as with hyper (whose `half_close` is
+    /// off by default), and the last is cancelled (a claimed exchange
+    /// still runs to its end).
     fn poll_hung_up(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         if !self.rbuf.is_empty() {
             return Poll::Pending;
