@@ -140,7 +140,8 @@ async fn hop_by_hop_headers_are_dropped_and_forwarded_headers_set() {
             b"GET /h HTTP/1.1\r\nhost: api.example.com\r\nconnection: keep-alive, x-client-secret\r\n\
               x-client-secret: 1\r\nkeep-alive: timeout=5\r\nproxy-authorization: basic x\r\nte: trailers\r\n\
               upgrade: websocket\r\nx-forwarded-for: 203.0.113.9\r\nx-forwarded-for: 198.51.100.7\r\n\
-              x-forwarded-for: proxy-\xe9\r\nx-kept: yes\r\n\
+              x-forwarded-for: proxy-\xe9\r\nx-kept: yes\r\nx_forwarded_for: 6.6.6.6\r\nX_Forwarded-Host: evil\r\n\
+              x-forwarded_proto: https\r\nx_kept_too: yes\r\n\
               expect: 100-continue\r\n\r\n",
         )
         .await
@@ -169,6 +170,12 @@ async fn hop_by_hop_headers_are_dropped_and_forwarded_headers_set() {
         assert!(seen.get(gone).is_none(), "{gone} was forwarded");
     }
     assert_eq!(seen.get("x-kept").unwrap(), "yes");
+    // Look-alikes of the X-Forwarded-* set here, which CGI and WSGI read
+    // as those, go; other names with `_` stay.
+    for gone in ["x_forwarded_for", "x_forwarded-host", "x-forwarded_proto"] {
+        assert!(seen.get(gone).is_none(), "{gone} was forwarded");
+    }
+    assert_eq!(seen.get("x_kept_too").unwrap(), "yes");
     // Every earlier line, one past ASCII (obs-text) too, then the client.
     assert_eq!(
         seen.get("x-forwarded-for").unwrap().as_bytes(),

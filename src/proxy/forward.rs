@@ -136,6 +136,7 @@ pub fn prepare(request: &mut Request<ClientBody>, upstream: &Uri, peer: Peer) {
 
     let headers = request.headers_mut();
     strip_hop_by_hop(headers);
+    drop_forwarded_look_alikes(headers);
     // Every earlier hop, from every X-Forwarded-For line, then this client;
     // one lookup of the name whether it is there or not.
     let entry = headers.entry(X_FORWARDED_FOR.clone());
@@ -172,6 +173,29 @@ pub fn prepare(request: &mut Request<ClientBody>, upstream: &Uri, peer: Peer) {
         Some(host) => headers.insert(X_FORWARDED_HOST.clone(), host),
         None => headers.remove(&X_FORWARDED_HOST),
     };
+}
+
+/// Removes the look-alikes of the headers set here (`X_Forwarded_For`,
+/// `x-forwarded_host`, ...): CGI and WSGI read `_` as `-`, so a backend
+/// behind one would take the client's value for idemgate's. (nginx drops
+/// every name with `_`; other names pass here, as they did.)
+fn drop_forwarded_look_alikes(headers: &mut HeaderMap) {
+    let forwarded = [&X_FORWARDED_FOR, &X_FORWARDED_PROTO, &X_FORWARDED_HOST];
+    let look_alike = |name: &HeaderName| {
+        let name = name.as_str().as_bytes();
+        name.contains(&b'_')
+            && forwarded.iter().any(|set| {
+                let set = set.as_str().as_bytes();
+                set.len() == name.len() && set.iter().zip(name).all(|(s, n)| s == n || (*s == b'-' && *n == b'_'))
+            })
+    };
+    if !headers.keys().any(look_alike) {
+        return;
+    }
+    let found: SmallVec<[HeaderName; 2]> = headers.keys().filter(|n| look_alike(n)).cloned().collect();
+    for name in found {
+        headers.remove(name);
+    }
 }
 
 /// `ip` as a header value, kept per thread for the next request from the
