@@ -180,6 +180,11 @@ async fn targets_without_a_path_are_refused_and_options_star_passes_through() {
         "Post /v1/orders HTTP/1.1",
         "PO!ST /v1/orders HTTP/1.1",
         "get /v1/orders HTTP/1.1",
+        // Absolute targets: userinfo (its host read past an `@`), or
+        // another scheme than http and https.
+        "POST http://a@b@api.example.com/v1/orders HTTP/1.1",
+        "POST http://user:pw@api.example.com/v1/orders HTTP/1.1",
+        "POST ftp://api.example.com/v1/orders HTTP/1.1",
     ] {
         let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
         let wire = format!(

@@ -27,6 +27,7 @@ use futures_util::FutureExt;
 use futures_util::future::Either;
 use http::header::HOST;
 use http::request::Parts;
+use http::uri::Scheme;
 use http::{HeaderValue, Method, Request, Response, Uri};
 use http_body_util::{BodyExt, Limited};
 use tokio::time::Instant;
@@ -236,6 +237,15 @@ impl Gateway {
         let routable = path.starts_with('/') || (path == "*" && method == Method::OPTIONS);
         if !routable {
             return Routed::Refused("the request target must be a path, an absolute URI, or `*` for OPTIONS");
+        }
+        // An absolute target's (or HTTP/2's :authority): an http or https
+        // URI, without the userinfo RFC 9110 §4.2.4 (and RFC 9113 §8.3.1)
+        // says to treat as an error; its host would be read past an `@`.
+        let uri = request.uri();
+        if uri.scheme().is_some_and(|s| *s != Scheme::HTTP && *s != Scheme::HTTPS)
+            || uri.authority().is_some_and(|a| a.as_str().contains('@'))
+        {
+            return Routed::Refused("an absolute request target must be an http or https URI without userinfo");
         }
         // The target's own host when it has one (absolute-form, HTTP/2's
         // :authority), which RFC 9112 §3.2.2 says wins over Host; without
