@@ -1,7 +1,8 @@
 //! The embedded store: a redb file with a write-ahead log beside it.
 //!
 //! One writer thread owns every write. Requests send it their operation with
-//! a reply channel; it takes everything queued, decides each operation,
+//! a reply channel, on a bounded queue (one past [`QUEUE_OPS`] is refused
+//! at once, unsent); it takes everything queued, decides each operation,
 //! appends the resulting records to the write-ahead log, syncs the log once
 //! (`fdatasync`), and only then publishes the batch and answers it (group
 //! commit). A claim is therefore durable before its request is forwarded,

@@ -12,7 +12,8 @@
 //! release and renewal are scripts that check the owner token first. On one
 //! server, completions made on a thread in one turn of its runtime share one
 //! script call (each still checked against its own owner), which saves
-//! Redis the script's fixed cost per completion.
+//! Redis the script's fixed cost per completion; a server in cluster mode
+//! refuses such a call (`CROSSSLOT`), and then each goes alone.
 //!
 //! Redis must not evict keys (an evicted claim would let a retry through):
 //! the store warns about any server whose `maxmemory-policy` is not
@@ -25,7 +26,8 @@
 //! record key on one channel. Each process keeps one subscription to it and
 //! wakes its local waiters, re-checking the record at least every second in
 //! case a message was lost. Requests that nobody waits on publish nothing
-//! and touch no other key.
+//! and touch no other key. A user the ACL denies the channel still
+//! completes (`redis.pcall`); its waiters re-check twice a second.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
