@@ -351,6 +351,25 @@ async fn a_tokenless_records_page_answers_only_requests_for_this_machine() {
         client.send("GET", &records, &[], "").await.status,
         StatusCode::NOT_FOUND
     );
+    // An absolute-form target names its host too: both must be local.
+    for (target, host) in [
+        ("http://evil.example/records?route=orders&key=k1", "localhost"),
+        ("http://localhost/records?route=orders&key=k1", "localhost"),
+    ] {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(admin).await.unwrap();
+        let wire = format!("GET {target} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n");
+        stream.write_all(wire.as_bytes()).await.unwrap();
+        let mut seen = Vec::new();
+        stream.read_to_end(&mut seen).await.unwrap();
+        let seen = String::from_utf8_lossy(&seen);
+        let want = if target.contains("evil") {
+            "HTTP/1.1 403"
+        } else {
+            "HTTP/1.1 404"
+        };
+        assert!(seen.starts_with(want), "{target}: {seen}");
+    }
     // The other pages tell nothing a page could misuse.
     let metrics = format!("http://{admin}/metrics");
     assert_eq!(

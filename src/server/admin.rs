@@ -276,15 +276,21 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
 /// rebound to 127.0.0.1 reaches a loopback listener with its own name as
 /// the host: that is what a tokenless `/records` refuses.
 fn for_this_machine(request: &Request<Incoming>) -> bool {
+    let local = |host: &str| {
+        let literal = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+        host.eq_ignore_ascii_case("localhost") || literal.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+    };
+    // An absolute-form target's host too, which hyper keeps as sent.
+    if request.uri().host().is_some_and(|host| !local(host)) {
+        return false;
+    }
     let Some(host) = request.headers().get(http::header::HOST) else {
         return true;
     };
-    let Ok(authority) = host.to_str().unwrap_or("").parse::<http::uri::Authority>() else {
-        return false;
-    };
-    let host = authority.host();
-    let literal = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
-    host.eq_ignore_ascii_case("localhost") || literal.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+    host.to_str()
+        .ok()
+        .and_then(|host| host.parse::<http::uri::Authority>().ok())
+        .is_some_and(|authority| local(authority.host()))
 }
 
 /// A request to an admin listener, for the command line: the status and body.
