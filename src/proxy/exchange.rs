@@ -250,11 +250,13 @@ impl Drop for ClaimGuard {
             // Shutting down: the lease runs out instead.
             return;
         }
-        tracing::warn!(key = %self.key.tag(), "the request may have been sent: its outcome is recorded as unknown");
+        tracing::warn!(key = %self.key.tag(), "the request may have been sent: recording its outcome as unknown");
+        // Settled already: dropped unpolled (a runtime shutting down), it
+        // must not release the claim; the lease ends it.
         let guard = ClaimGuard {
             context: self.context.clone(),
             renewal: None,
-            settled: false,
+            settled: true,
             unknown_for: None,
             ..*self
         };
