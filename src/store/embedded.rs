@@ -71,6 +71,8 @@ const RECORDS: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("records
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const APPLIED_BELOW: &str = "applied_below";
 
+/// Most reads of the file running at once.
+const FILE_READS: usize = 64;
 /// Most operations decided and synced together.
 const MAX_BATCH: usize = 1024;
 /// Most operations queued for the writer. Past it (the disk has stalled),
@@ -222,6 +224,10 @@ struct Shared {
     failed: OnceLock<String>,
     /// The keys in the file.
     filter: KeyFilter,
+    /// Reads of the file on the blocking pool at once (see
+    /// [`Shared::fetch`]): on a disk that hangs, this many threads wait on
+    /// it, and further reads wait here, within the store's deadline.
+    reads: Arc<tokio::sync::Semaphore>,
 }
 
 impl Shared {
@@ -278,10 +284,14 @@ impl Shared {
         match self.peek(key, None) {
             Ok(found) => Ok(found),
             Err(generation) => {
+                let permit = self.reads.clone().acquire_owned().await.map_err(unavailable)?;
                 let (shared, key) = (self.clone(), *key);
-                tokio::task::spawn_blocking(move || shared.read(&key, generation))
-                    .await
-                    .map_err(unavailable)?
+                tokio::task::spawn_blocking(move || {
+                    let _permit = permit;
+                    shared.read(&key, generation)
+                })
+                .await
+                .map_err(unavailable)?
             }
         }
     }
@@ -428,6 +438,7 @@ impl EmbeddedStore {
             checkpointed: Condvar::new(),
             failed: OnceLock::new(),
             filter: KeyFilter::default(),
+            reads: Arc::new(tokio::sync::Semaphore::new(FILE_READS)),
         });
         let waiters = Arc::new(Waiters::default());
         let (ops, rx) = std_mpsc::sync_channel(QUEUE_OPS);
@@ -1703,6 +1714,40 @@ mod tests {
             assert!(Instant::now() < deadline, "no checkpoint");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// Reads of the file wait for one of [`FILE_READS`] places: a disk
+    /// that hangs ties up no more threads than that.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reads_of_the_file_wait_for_a_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&dir.path().join("r.redb")).unwrap();
+        let (key, fingerprint, owner) = (RecordKey([6; 32]), Fingerprint([1; 32]), Owner::new());
+        let lease = Duration::from_secs(30);
+        store.claim(&key, &fingerprint, owner, lease, None).await.unwrap();
+        let ttl = Duration::from_secs(60);
+        assert!(
+            store
+                .complete(&key, &fingerprint, owner, Outcome::Unknown, ttl)
+                .await
+                .unwrap()
+        );
+        checkpointed(&store).await;
+        // Every place taken (as by reads hung on the disk).
+        let taken = store
+            .shared
+            .reads
+            .clone()
+            .acquire_many_owned(FILE_READS as u32)
+            .await
+            .unwrap();
+        let waiting = store.inspect(&key);
+        tokio::pin!(waiting);
+        let early = tokio::time::timeout(Duration::from_millis(300), &mut waiting).await;
+        assert!(early.is_err(), "read the file with no place free");
+        drop(taken);
+        let found = waiting.await.unwrap();
+        assert!(matches!(found, Some((Record::Completed { .. }, _))), "{found:?}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
