@@ -53,8 +53,12 @@ enum Command {
         #[arg(long)]
         key: String,
         /// The value of each of the route's scope headers, in order.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "scope_header")]
         scope: Vec<String>,
+        /// A line of a scope header, by name (repeat it for each line and
+        /// each header; a scope header not named was absent).
+        #[arg(long, value_name = "NAME=VALUE")]
+        scope_header: Vec<String>,
         /// Remove the record (a stuck claim, a poisoned answer).
         #[arg(long)]
         purge: bool,
@@ -76,8 +80,9 @@ fn main() -> ExitCode {
             route,
             key,
             scope,
+            scope_header,
             purge,
-        }) => record(&config, &route, &key, &scope, purge),
+        }) => record(&config, &route, &key, &scope, &scope_header, purge),
         Some(Command::Health { config }) => health(&config),
         None => match cli.config {
             Some(config) => serve(&config),
@@ -128,11 +133,24 @@ fn admin(path: &Path, method: http::Method, path_and_query: &str) -> anyhow::Res
     Ok(())
 }
 
-fn record(path: &Path, route: &str, key: &str, scope: &[String], purge: bool) -> anyhow::Result<()> {
+fn record(
+    path: &Path,
+    route: &str,
+    key: &str,
+    scope: &[String],
+    scope_headers: &[String],
+    purge: bool,
+) -> anyhow::Result<()> {
     let mut query = form_urlencoded::Serializer::new(String::new());
     query.append_pair("route", route).append_pair("key", key);
     for value in scope {
         query.append_pair("scope", value);
+    }
+    for line in scope_headers {
+        let (name, value) = line
+            .split_once('=')
+            .with_context(|| format!("--scope-header {line}: give NAME=VALUE"))?;
+        query.append_pair(&format!("scope.{name}"), value);
     }
     let method = if purge { http::Method::DELETE } else { http::Method::GET };
     admin(path, method, &format!("/records?{}", query.finish()))

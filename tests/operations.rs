@@ -527,10 +527,14 @@ async fn the_record_and_health_subcommands_talk_to_the_running_proxy() {
     let upstream = Upstream::created().await;
     let gate = Binary::start(
         &upstream.url(),
-        "[server]\nadmin_token = \"t0k\"\n[store]\nbackend = \"memory\"\n[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n",
+        "[server]\nadmin_token = \"t0k\"\n[store]\nbackend = \"memory\"\n[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\nscope = [\"x-tenant\"]\n",
     )
     .await;
     TestClient::default().post(&gate.url("/v1/orders"), "cli", "").await;
+    let tenant = [("idempotency-key", "scoped"), ("x-tenant", "t1")];
+    TestClient::default()
+        .send("POST", &gate.url("/v1/orders"), &tenant, "")
+        .await;
     let run = |args: &[&str]| {
         std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
             .args(args)
@@ -552,6 +556,71 @@ async fn the_record_and_health_subcommands_talk_to_the_running_proxy() {
     let gone = run(&["record", "--route", "orders", "--key", "cli"]);
     assert_eq!(gone.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&gone.stdout).contains("absent"));
+    // A scope header by name; without `=`, refused before any call.
+    let by_name = |line: &str| run(&["record", "--route", "orders", "--key", "scoped", "--scope-header", line]);
+    let scoped = by_name("x-tenant=t1");
+    assert!(scoped.status.success(), "{}", String::from_utf8_lossy(&scoped.stdout));
+    let unnamed = by_name("x-tenant");
+    assert!(String::from_utf8_lossy(&unnamed.stderr).contains("NAME=VALUE"));
+}
+
+/// Scope headers named in the lookup: each line of each, in order, and a
+/// scope header not named was absent. So records whose request lacked an
+/// earlier scope header and carried a later one, sent one on two lines,
+/// or sent bytes that are not UTF-8, can be named too.
+#[tokio::test]
+async fn records_are_found_by_scope_headers_named_line_by_line() {
+    let upstream = Upstream::created().await;
+    let route = "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\nscope = [\"authorization\", \"x-tenant\"]\n";
+    let proxy = Proxy::start(&upstream.url(), route).await;
+    let client = TestClient::default();
+    let post = |key: &str, tenants: &[&str]| {
+        let lines: String = tenants.iter().map(|t| format!("x-tenant: {t}\r\n")).collect();
+        format!(
+            "POST /v1/orders HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\n{lines}content-length: 0\r\nconnection: close\r\n\r\n"
+        )
+    };
+    for wire in [
+        post("k1", &["t1"]),
+        post("k2", &["a", "b"]),
+        post("k3", &["\u{1}"]).replace('\u{1}', "\u{ff}"),
+    ] {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        // Latin-1 on the wire: U+00FF as the byte 0xFF.
+        let bytes: Vec<u8> = wire.chars().map(|c| c as u8).collect();
+        stream.write_all(&bytes).await.unwrap();
+        let mut seen = Vec::new();
+        stream.read_to_end(&mut seen).await.unwrap();
+        assert!(seen.starts_with(b"HTTP/1.1 201"), "{}", String::from_utf8_lossy(&seen));
+    }
+    assert_eq!(upstream.hits(), 3);
+    let admin = proxy.admin.unwrap();
+    let look = |query: &str| {
+        let url = format!("http://{admin}/records?route=orders&{query}");
+        let client = &client;
+        async move { client.send("GET", &url, &[], "").await }
+    };
+    for (query, status) in [
+        ("key=k1&scope.x-tenant=t1", 200),
+        ("key=k1&scope.X-Tenant=t1", 200),
+        // By position, the first is present (empty), not absent.
+        ("key=k1&scope=&scope=t1", 404),
+        ("key=k2&scope.x-tenant=a&scope.x-tenant=b", 200),
+        ("key=k2&scope.x-tenant=b&scope.x-tenant=a", 404),
+        ("key=k3&scope.x-tenant=%FF", 200),
+        ("key=k3&scope.x-tenant=%FE", 404),
+    ] {
+        assert_eq!(look(query).await.status.as_u16(), status, "{query}");
+    }
+    for (query, says) in [
+        ("key=k1&scope=x&scope.x-tenant=t1", "not both"),
+        ("key=k1&scope.x-other=1", "no scope header x-other"),
+    ] {
+        let refused = look(query).await;
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{query}");
+        assert!(refused.text().contains(says), "{query}: {}", refused.text());
+    }
 }
 
 /// `idemgate health` fails, rather than hangs, on an admin listener that

@@ -90,6 +90,24 @@ pub struct Gateway {
     context: Arc<Context>,
 }
 
+/// The scope header values a record was made with, to find it by.
+pub enum ScopeValues {
+    /// One value a header, in the order of the route's `scope`; headers
+    /// past the end were absent.
+    Positional(Vec<Vec<u8>>),
+    /// Each line of each header by (lower-case) name, in order; a header
+    /// of the route's `scope` not named was absent.
+    Named(Vec<(String, Vec<u8>)>),
+}
+
+/// Why no record key could be made.
+#[derive(Debug, PartialEq, Eq)]
+pub enum RecordKeyError {
+    NoRoute,
+    /// A named scope header the route's `scope` does not list.
+    NotInScope(String),
+}
+
 /// Where a request goes: through a route's idempotency, or straight on.
 enum Routed<'a> {
     Idempotent(&'a Arc<LiveRoute>, RouteMatch),
@@ -170,15 +188,41 @@ impl Gateway {
     }
 
     /// Where route `route` keeps the record of `key` sent with these scope
-    /// header values (in the order of the route's `scope`; missing ones are
-    /// absent headers), `key` as the client sent it (a token or an
-    /// sf-string). `None` when there is no such route.
-    pub fn record_key(&self, route: &str, scope: &[String], key: &str) -> Option<crate::store::RecordKey> {
-        let live = self.routes.iter().find(|live| live.route.name == route)?;
-        let values = (0..live.route.policy.scope.len()).map(|i| scope.get(i).map(|v| v.as_bytes()).into_iter());
+    /// header values, `key` as the client sent it (a token or an
+    /// sf-string).
+    pub fn record_key(
+        &self,
+        route: &str,
+        scope: &ScopeValues,
+        key: &str,
+    ) -> Result<crate::store::RecordKey, RecordKeyError> {
+        let live = self
+            .routes
+            .iter()
+            .find(|live| live.route.name == route)
+            .ok_or(RecordKeyError::NoRoute)?;
+        let headers = &live.route.policy.scope;
         // Read as the key header is: `"k1"` is the key k1.
         let key = key::parse(key.as_bytes()).unwrap_or_else(|| key.to_owned());
-        Some(key::record_key_of(values, &key))
+        Ok(match scope {
+            ScopeValues::Positional(values) => {
+                let values = (0..headers.len()).map(|i| values.get(i).map(Vec::as_slice).into_iter());
+                key::record_key_of(values, &key)
+            }
+            ScopeValues::Named(named) => {
+                if let Some((name, _)) = named
+                    .iter()
+                    .find(|(name, _)| !headers.iter().any(|h| h.as_str() == name))
+                {
+                    return Err(RecordKeyError::NotInScope(name.clone()));
+                }
+                let values = headers.iter().map(|header| {
+                    let lines = named.iter().filter(move |(name, _)| header.as_str() == name);
+                    lines.map(|(_, value)| value.as_slice())
+                });
+                key::record_key_of(values, &key)
+            }
+        })
     }
 
     /// Answers one client request. Never fails: every error is a response.

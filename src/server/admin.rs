@@ -23,7 +23,7 @@ use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::proxy::{Gateway, ResponseBody};
+use crate::proxy::{Gateway, RecordKeyError, ResponseBody, ScopeValues};
 use crate::store::{Outcome, Record};
 use crate::telemetry::Metrics;
 
@@ -206,24 +206,58 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
              address (Host), so a web page cannot reach it by DNS rebinding",
         );
     }
-    let (mut route, mut key, mut scope) = (None, None, Vec::new());
-    for (name, value) in form_urlencoded::parse(request.uri().query().unwrap_or("").as_bytes()) {
-        match &*name {
-            "route" => route = Some(value.into_owned()),
-            "key" => key = Some(value.into_owned()),
-            "scope" => scope.push(value.into_owned()),
-            _ => {}
+    let (mut route, mut key, mut positional, mut named) = (None, None, Vec::new(), Vec::new());
+    // Decoded as a form's fields are (`+` a space, then `%XX` escapes), to
+    // bytes: a scope value need not be UTF-8.
+    let decode = |text: &str| percent_encoding::percent_decode_str(&text.replace('+', " ")).collect::<Vec<u8>>();
+    for pair in request
+        .uri()
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+    {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let (name, value) = (String::from_utf8_lossy(&decode(name)).into_owned(), decode(value));
+        match name.as_str() {
+            "route" => route = Some(String::from_utf8_lossy(&value).into_owned()),
+            "key" => key = Some(String::from_utf8_lossy(&value).into_owned()),
+            "scope" => positional.push(value),
+            _ => {
+                if let Some(header) = name.strip_prefix("scope.") {
+                    named.push((header.to_ascii_lowercase(), value));
+                }
+            }
         }
     }
     let (Some(route), Some(key)) = (route, key) else {
         return problem(
             StatusCode::BAD_REQUEST,
             "bad-request",
-            "give route= and key= (and scope= per scope header)",
+            "give route= and key= (and scope= per scope header, or scope.<header>= per line of each)",
         );
     };
-    let Some(record_key) = gateway.record_key(&route, &scope, &key) else {
-        return problem(StatusCode::NOT_FOUND, "not-found", "no route has this name");
+    let scope = match (positional.is_empty(), named.is_empty()) {
+        (_, true) => ScopeValues::Positional(positional),
+        (true, false) => ScopeValues::Named(named),
+        (false, false) => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "bad-request",
+                "give scope values by position (scope=) or by name (scope.<header>=), not both",
+            );
+        }
+    };
+    let record_key = match gateway.record_key(&route, &scope, &key) {
+        Ok(record_key) => record_key,
+        Err(RecordKeyError::NoRoute) => return problem(StatusCode::NOT_FOUND, "not-found", "no route has this name"),
+        Err(RecordKeyError::NotInScope(header)) => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "bad-request",
+                &format!("route {route} has no scope header {header}"),
+            );
+        }
     };
     let store = gateway.store();
     if !purge {
