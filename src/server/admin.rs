@@ -1,7 +1,9 @@
 //! The admin listener: `GET /healthz` (process alive), `GET /readyz` (store
 //! reachable and not draining), `GET /metrics` (Prometheus text), and `GET`
-//! / `DELETE` `/records?route=R&key=K[&scope=V...]` to look up or purge one
-//! record (behind `server.admin_token` when set). `HEAD` answers as `GET`
+//! / `DELETE` `/records?route=R&key=K[&scope=V...]` (or
+//! `[&scope.<header>=V...]`, by name) to look up or purge one record
+//! (behind `server.admin_token` when set; without it, for requests to this
+//! machine's names alone). `HEAD` answers as `GET`
 //! does, without the body; another method on a page is 405 with `Allow`. A
 //! record is shown by its state, time left, status and body size: never its
 //! body or headers. It serves through the drain and closes after it.
@@ -161,7 +163,8 @@ fn json(status: StatusCode, value: serde_json::Value) -> Response<ResponseBody> 
     text(status, "application/json", format!("{value}\n"))
 }
 
-/// `GET` or `HEAD` (look up) or `DELETE` (purge) `/records?route=R&key=K&scope=V...`.
+/// `GET` or `HEAD` (look up) or `DELETE` (purge)
+/// `/records?route=R&key=K&scope=V...` (or `&scope.<header>=V...`).
 async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<ResponseBody> {
     let purge = match *request.method() {
         // HEAD is GET without the body, which hyper leaves out.
