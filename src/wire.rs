@@ -2,8 +2,8 @@
 //! client (`proxy::upstream`): head limits, when a head being read is worth
 //! parsing again, a parsed head's headers cut into a header map with the
 //! notes its framing reads, the chunked coding,
-//! numbers written without the formatting machinery, and interned header
-//! names.
+//! numbers written without the formatting machinery, interned header
+//! names; and a query field decoded as a form's.
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -253,6 +253,14 @@ pub fn header_offsets(buf: &[u8], parsed: &[httparse::Header<'_>]) -> HeaderOffs
 pub enum BadHeader {
     Name,
     Value,
+}
+
+/// A query's field name or value decoded as a form's are (`+` a space,
+/// then `%XX` escapes), to bytes: not `form_urlencoded::parse`, which turns
+/// bytes that are not UTF-8 into U+FFFD, so that `%FF` and `%FE` would read
+/// alike.
+pub fn form_decoded(text: &str) -> Vec<u8> {
+    percent_encoding::percent_decode_str(&text.replace('+', " ")).collect()
 }
 
 /// The comma-separated tokens of a field value, as bytes, trimmed, empty

@@ -166,16 +166,11 @@ where
     RecordKey(hasher.finalize().into())
 }
 
-/// The values of the query's `name` fields, decoded as a form's are (`+` a
-/// space, then `%XX` escapes); `None` when one is not UTF-8 once decoded.
-/// Not `form_urlencoded::parse`, which turns such bytes into U+FFFD, so
-/// that `?ref=%FF` and `?ref=%FE` would derive one key.
+/// The values of the query's `name` fields, decoded as a form's are
+/// ([`crate::wire::form_decoded`]); `None` when one is not UTF-8 once
+/// decoded, so that `?ref=%FF` and `?ref=%FE` cannot derive one key.
 fn query_values(query: &str, name: &str) -> Option<Vec<Value>> {
-    let decode = |text: &str| {
-        percent_encoding::percent_decode_str(&text.replace('+', " "))
-            .decode_utf8()
-            .map(String::from)
-    };
+    let decode = |text: &str| String::from_utf8(crate::wire::form_decoded(text));
     let mut values = Vec::new();
     for pair in query.split('&').filter(|pair| !pair.is_empty()) {
         let (field, value) = pair.split_once('=').unwrap_or((pair, ""));

@@ -210,9 +210,8 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
         );
     }
     let (mut route, mut key, mut positional, mut named) = (None, None, Vec::new(), Vec::new());
-    // Decoded as a form's fields are (`+` a space, then `%XX` escapes), to
-    // bytes: a scope value need not be UTF-8.
-    let decode = |text: &str| percent_encoding::percent_decode_str(&text.replace('+', " ")).collect::<Vec<u8>>();
+    // To bytes: a scope value need not be UTF-8.
+    let decode = crate::wire::form_decoded;
     for pair in request
         .uri()
         .query()

@@ -37,8 +37,9 @@
 //!
 //! Replays of completed records are read from the overlay or a read
 //! transaction without going through the writer; a read of the file runs
-//! on tokio's blocking pool, so a slow disk stalls no runtime worker. Leases and TTLs are
-//! wall-clock deadlines in the record, so a claim of a crashed process runs
+//! on tokio's blocking pool (at most [`FILE_READS`] at once), so a slow
+//! disk stalls no runtime worker. Leases and TTLs are wall-clock deadlines
+//! in the record, so a claim of a crashed process runs
 //! out after a restart; within a run they are read against the wall clock
 //! at start moved on by the monotonic clock (see [`now_ms`]), so a step of
 //! the system clock does not cut a lease short. An expired record is
@@ -669,6 +670,11 @@ impl Wal {
 
     /// The files beside `path` named `<file name><infix><number>`, by number.
     fn numbered(path: &Path, infix: &str) -> std::io::Result<Vec<(u64, PathBuf)>> {
+        Wal::numbered_with(path, infix, "")
+    }
+
+    /// [`Wal::numbered`], for names that end with `suffix`.
+    fn numbered_with(path: &Path, infix: &str, suffix: &str) -> std::io::Result<Vec<(u64, PathBuf)>> {
         let prefix = format!("{}{infix}", path.file_name().unwrap_or_default().to_string_lossy());
         let mut found = Vec::new();
         for entry in fs::read_dir(parent(path))? {
@@ -677,6 +683,7 @@ impl Wal {
             if let Some(n) = name
                 .to_str()
                 .and_then(|n| n.strip_prefix(&prefix))
+                .and_then(|n| n.strip_suffix(suffix))
                 .and_then(|n| n.parse().ok())
             {
                 found.push((n, entry.path()));
@@ -692,19 +699,12 @@ impl Wal {
     /// when nothing else makes one; a failure is a warning, as the store
     /// works without the room.
     fn remove_temporaries(path: &Path) {
-        let prefix = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
         let removed = || -> std::io::Result<()> {
-            for entry in fs::read_dir(parent(path))? {
-                let entry = entry?;
-                let name = entry.file_name();
-                let temporary = name
-                    .to_str()
-                    .and_then(|n| n.strip_prefix(&prefix))
-                    .and_then(|n| n.strip_prefix("-wal.").or_else(|| n.strip_prefix("-wal-spare.")))
-                    .and_then(|n| n.strip_suffix(".new"))
-                    .is_some_and(|number| number.parse::<u64>().is_ok());
-                if temporary && entry.file_type()?.is_file() {
-                    fs::remove_file(entry.path())?;
+            for infix in ["-wal.", "-wal-spare."] {
+                for (_, temporary) in Wal::numbered_with(path, infix, ".new")? {
+                    if fs::symlink_metadata(&temporary)?.is_file() {
+                        fs::remove_file(temporary)?;
+                    }
                 }
             }
             Ok(())

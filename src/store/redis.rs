@@ -947,7 +947,7 @@ fn refused(error: &RedisError) -> bool {
 /// [`SUBSCRIBE_BACKOFF`].
 async fn listen(nodes: Vec<redis::Client>, waiters: Arc<Waiters>, listening: Arc<AtomicBool>) {
     let mut next = 0;
-    let mut pause = Duration::from_millis(250);
+    let mut pause = SUBSCRIBE_AGAIN;
     let mut warned = false;
     loop {
         let node = &nodes[next % nodes.len()];
@@ -963,7 +963,7 @@ async fn listen(nodes: Vec<redis::Client>, waiters: Arc<Waiters>, listening: Arc
                 if warned {
                     tracing::info!("subscribed to Redis completions again");
                 }
-                (pause, warned) = (Duration::from_millis(250), false);
+                (pause, warned) = (SUBSCRIBE_AGAIN, false);
                 // Whatever completed while nobody listened: re-check now.
                 waiters.wake_all();
                 let mut messages = pubsub.on_message();
@@ -992,6 +992,9 @@ async fn listen(nodes: Vec<redis::Client>, waiters: Arc<Waiters>, listening: Arc
     }
 }
 
+/// The pause before subscribing again after a subscription ends, and the
+/// first between failed tries, which double up to [`SUBSCRIBE_BACKOFF`].
+const SUBSCRIBE_AGAIN: Duration = Duration::from_millis(250);
 /// The longest pause between tries to subscribe.
 const SUBSCRIBE_BACKOFF: Duration = Duration::from_secs(5);
 
