@@ -136,7 +136,10 @@ const RELEASE: &str = "redis.call('DEL', KEYS[1])\nreturn 1\n";
 /// slots), each owner-checked on its own: ARGV holds owner token, record
 /// and TTL for each key in turn. Returns per key 1 (completed), 0 (not the
 /// owner's) or -1 (Redis refused the write: that key alone fails, as a
-/// script that stops half way would keep what it wrote). One `MGET` reads
+/// script that stops half way would keep what it wrote). A replica's
+/// READONLY ends the call as an error, so the connection sees it and
+/// lets go of the server: a replica writes nothing, so nothing before it
+/// in the call was written either. One `MGET` reads
 /// them all: a call from Lua costs more than the read (redis-server's
 /// instructions per record, batches of nine: -1.7k against a `GET` each).
 const COMPLETE_MANY: &str = concat!(
@@ -148,6 +151,7 @@ const COMPLETE_MANY: &str = concat!(
     "  if v and string.byte(v, 2) == 0 and string.sub(v, 35, 50) == ARGV[a + 1] then\n",
     "    local set = redis.pcall('SET', KEYS[i], ARGV[a + 2], 'PX', ARGV[a + 3])\n",
     "    if type(set) == 'table' and set.err then\n",
+    "      if string.sub(set.err, 1, 8) == 'READONLY' then return set end\n",
     "      done[i] = -1\n",
     "    else\n",
     "      if string.len(v) > 50 then redis.pcall('PUBLISH', '",
@@ -371,6 +375,12 @@ fn fail(batch: Vec<Completion>, error: &str) {
             .reply
             .send(Err(StoreError::Unavailable(error.to_owned().into())));
     }
+}
+
+/// What `error` wraps, in words: wrapped again by [`fail`], it would read
+/// "store unavailable: store unavailable: ...".
+fn cause(error: &StoreError) -> String {
+    std::error::Error::source(error).map_or_else(|| error.to_string(), error_chain)
 }
 
 /// The queue of the completion that sends the batch, until it takes it.
@@ -667,7 +677,7 @@ impl RedisStore {
         }
         let mut connection = match self.connection().await {
             Ok(connection) => connection,
-            Err(error) => return fail(batch, &error_chain(&error)),
+            Err(error) => return fail(batch, &cause(&error)),
         };
         let result: Result<Vec<i64>, RedisError> = {
             let keys: Vec<RedisKey> = batch.iter().map(|c| RedisKey::of(&c.key)).collect();
@@ -703,7 +713,7 @@ impl RedisStore {
                 }
             }
             Ok(_) => fail(batch, "Redis answered a batch of completions with the wrong count"),
-            Err(error) => fail(batch, &error_chain(&unavailable(error))),
+            Err(error) => fail(batch, &cause(&unavailable(error))),
         }
     }
 
@@ -1033,37 +1043,63 @@ mod tests {
         assert!(matches!(error, StoreError::Unavailable(_)));
     }
 
-    #[tokio::test]
-    async fn a_purge_sent_again_leaves_a_newer_record_alone() {
+    /// A redis-server of the test's own on a free loopback port, killed
+    /// however the test ends: a server left running would keep the test's
+    /// output open.
+    struct Server {
+        child: std::process::Child,
+        port: u16,
+    }
+
+    impl Drop for Server {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    impl Server {
+        /// Runs `redis-cli` against this server.
+        fn cli(&self, args: &[&str]) {
+            let status = std::process::Command::new("redis-cli")
+                .args(["-p", &self.port.to_string()])
+                .args(args)
+                .stdout(std::process::Stdio::null())
+                .status()
+                .expect("redis-cli must be installed (apt-get install redis-tools)");
+            assert!(status.success(), "redis-cli {args:?}");
+        }
+    }
+
+    /// A fresh redis-server and a store on it, once it answers.
+    async fn server_and_store() -> (Server, RedisStore) {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
-        // Killed however the test ends: a server left running would keep
-        // the test's output open.
-        struct Server(std::process::Child);
-        impl Drop for Server {
-            fn drop(&mut self) {
-                let _ = self.0.kill();
-                let _ = self.0.wait();
-            }
-        }
-        let _server = Server(
-            std::process::Command::new("redis-server")
+        let server = Server {
+            child: std::process::Command::new("redis-server")
                 .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::null())
                 .spawn()
                 .expect("redis-server must be installed (apt-get install redis-server)"),
-        );
+            port,
+        };
         let store = RedisStore::single(&format!("redis://127.0.0.1:{port}/0"), Duration::from_secs(2)).unwrap();
-        let (key, fingerprint) = (RecordKey([5; 32]), Fingerprint([1; 32]));
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while store.ping().await.is_err() {
             assert!(std::time::Instant::now() < deadline, "redis-server did not start");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        (server, store)
+    }
+
+    #[tokio::test]
+    async fn a_purge_sent_again_leaves_a_newer_record_alone() {
+        let (_server, store) = server_and_store().await;
+        let (key, fingerprint) = (RecordKey([5; 32]), Fingerprint([1; 32]));
         let lease = Duration::from_secs(30);
         assert_eq!(
             store
@@ -1079,6 +1115,36 @@ mod tests {
         assert!(store.purge(&key).await.unwrap());
         assert!(store.inspect(&key).await.unwrap().is_none());
         assert!(!store.purge(&key).await.unwrap());
+    }
+
+    /// A server turned replica under its address (a failover) refuses a
+    /// batch of completions READONLY. The connection lets go of it at
+    /// once, as after a single command's READONLY, instead of reading from
+    /// the replica until the thread's next claim.
+    #[tokio::test]
+    async fn a_batch_refused_by_a_replica_lets_go_of_its_connection() {
+        let (server, store) = server_and_store().await;
+        let (keys, fingerprint) = ([RecordKey([6; 32]), RecordKey([7; 32])], Fingerprint([1; 32]));
+        let (owners, lease) = ([Owner::new(), Owner::new()], Duration::from_secs(30));
+        for (key, owner) in keys.iter().zip(owners) {
+            let claim = store.claim(key, &fingerprint, owner, lease, None).await.unwrap();
+            assert_eq!(claim, Claim::Claimed);
+        }
+        // A replica of a primary that is not there keeps its data.
+        server.cli(&["replicaof", "127.0.0.1", "1"]);
+        let ttl = Duration::from_secs(60);
+        let complete = |i: usize| store.complete(&keys[i], &fingerprint, owners[i], Outcome::Unknown, ttl);
+        let (first, second) = tokio::join!(complete(0), complete(1));
+        for done in [first, second] {
+            let error = error_chain(&done.unwrap_err());
+            assert!(
+                error.starts_with("store unavailable: ReadOnly: You can't write"),
+                "{error}"
+            );
+        }
+        let after = store.inspect(&keys[0]).await.map(|found| found.is_some());
+        let error = error_chain(&after.unwrap_err());
+        assert!(error.contains("read-only replica"), "{error}");
     }
 
     #[test]
