@@ -907,7 +907,13 @@ struct Writer {
 
 /// An answer held until the batch is synced.
 enum Pending {
-    Claim(oneshot::Sender<Result<Claim, StoreError>>, Result<Claim, StoreError>),
+    /// A claim's answer, and whether it stands unlogged: it found a record
+    /// already in the log, not one this batch made.
+    Claim(
+        oneshot::Sender<Result<Claim, StoreError>>,
+        Result<Claim, StoreError>,
+        bool,
+    ),
     Flag(
         oneshot::Sender<Result<bool, StoreError>>,
         Result<bool, StoreError>,
@@ -985,13 +991,14 @@ impl Writer {
         }
         for answer in pending {
             match answer {
-                // Only a new claim must be in the log before it is answered:
-                // a record found is the answer whether or not the refresh of
-                // its TTL was logged (a replay after the store failed).
-                Pending::Claim(reply, result @ Ok(Claim::Completed { .. } | Claim::InFlight { .. })) => {
+                // A record found in the log is the answer whether or not
+                // the refresh of its TTL was logged (a replay after the store
+                // failed); a new claim, or a record this batch made, only
+                // once the batch is in the log.
+                Pending::Claim(reply, result @ Ok(Claim::Completed { .. } | Claim::InFlight { .. }), true) => {
                     let _ = reply.send(result);
                 }
-                Pending::Claim(reply, result) => {
+                Pending::Claim(reply, result, _) => {
                     let _ = reply.send(synced.as_ref().map_err(copy_error).and(result));
                 }
                 Pending::Flag(reply, result, wake) => {
@@ -1136,9 +1143,11 @@ impl Batch<'_> {
                 // Its caller gave up (the store's deadline): a claim made
                 // now would only block retries until its lease ran out.
                 if reply.is_closed() {
-                    return Pending::Claim(reply, Err(unavailable(WriterGone)));
+                    return Pending::Claim(reply, Err(unavailable(WriterGone)), false);
                 }
-                Pending::Claim(reply, self.claim(&key, &fingerprint, owner, lease, refresh, absent_at))
+                let logged = !self.changes.contains_key(&key.0);
+                let result = self.claim(&key, &fingerprint, owner, lease, refresh, absent_at);
+                Pending::Claim(reply, result, logged)
             }
             Op::Complete {
                 key,
@@ -1653,6 +1662,35 @@ mod tests {
         store.shared.fail("a checkpoint failed (in a test)".into());
         let refused = tokio::time::timeout(Duration::from_secs(2), claim(52)).await;
         assert!(refused.expect("the writer still waits").is_err());
+        blocker.abort().unwrap();
+    }
+
+    /// A claim in the same batch as the completion it finds is answered
+    /// from that completion only once it is in the log: when the log
+    /// write fails, the retry must not replay an answer a restart forgets.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_is_not_answered_from_a_completion_the_log_lost() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(&dir.path().join("l.redb")).unwrap();
+        let (key, fingerprint, owner) = (RecordKey([60; 32]), Fingerprint([1; 32]), Owner::new());
+        let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+        assert_eq!(
+            store.claim(&key, &fingerprint, owner, lease, None).await.unwrap(),
+            Claim::Claimed
+        );
+        let blocker = stall(&store).await;
+        // Queued behind the stalled writer, the two go in one batch; the
+        // store fails before it is logged.
+        let outcome = answer(&Bytes::from_static(b"lost"));
+        let completed = store.complete(&key, &fingerprint, owner, outcome, ttl);
+        let retry = store.claim(&key, &fingerprint, Owner::new(), lease, None);
+        let failed = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            store.shared.fail("a log write failed (in a test)".into());
+        };
+        let (completed, retry, ()) = tokio::join!(completed, retry, failed);
+        assert!(completed.is_err());
+        assert!(retry.is_err(), "the retry was answered {retry:?}");
         blocker.abort().unwrap();
     }
 
