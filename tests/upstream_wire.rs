@@ -160,6 +160,19 @@ async fn raw_upstream() -> RawUpstream {
                         }
                         continue;
                     }
+                    // A 204 that declares a body, and sends it a moment
+                    // after the head: stray bytes on the connection.
+                    if path == "/no-content-with-body" {
+                        let head = b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n";
+                        if socket.write_all(head).await.is_err() {
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        if socket.write_all(b"stray").await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
                     let (answer, close) = script(&path);
                     if socket.write_all(answer).await.is_err() || close {
                         return;
@@ -280,6 +293,13 @@ async fn every_framing_arrives_whole_and_connections_are_reused() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(get("/length").await.text(), "length");
     assert_eq!(upstream.connections.load(Ordering::SeqCst), 5);
+
+    // A 204 may declare no body (RFC 9110 §8.6): one that does may send
+    // it, and those bytes would be read as the answer to the next request
+    // on that connection. It is not reused.
+    assert_eq!(get("/no-content-with-body").await.status, StatusCode::NO_CONTENT);
+    assert_eq!(get("/length").await.text(), "length");
+    assert_eq!(upstream.connections.load(Ordering::SeqCst), 6);
 
     assert_eq!(get("/garbage").await.status, StatusCode::BAD_GATEWAY);
 }

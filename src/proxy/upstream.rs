@@ -749,8 +749,12 @@ fn framing(
         // No body, but a HEAD's or a 304's Content-Length is passed on:
         // checked as for any answer, so no garbled or conflicting value
         // reaches the client (nginx refuses those too).
-        noted.content_length(headers).map_err(UpstreamError::Protocol)?;
-        return Ok((Framing::Empty, keep_alive));
+        let length = noted.content_length(headers).map_err(UpstreamError::Protocol)?;
+        // A 204 may declare neither (RFC 9110 §8.6, RFC 9112 §6.1): one
+        // that declares a body may send it, and its bytes would be read as
+        // the answer to the next request on this connection.
+        let stray = status == StatusCode::NO_CONTENT && (noted.transfer_encoding || length.is_some_and(|l| l > 0));
+        return Ok((Framing::Empty, keep_alive && !stray));
     }
     if noted.transfer_encoding {
         // Only `chunked` is decoded, and Transfer-Encoding is this hop's:
@@ -1072,6 +1076,20 @@ mod tests {
             (Framing::Empty, true)
         ));
         assert!(matches!(f(&response(204, &[]), false, 1), (Framing::Empty, true)));
+        // A 204 that declares a body may send it: not reused. A 304's
+        // length and coding are those a 200 would have had.
+        for (status, declared) in [(204, ("content-length", "5")), (204, ("transfer-encoding", "chunked"))] {
+            assert!(matches!(
+                f(&response(status, &[declared]), false, 1),
+                (Framing::Empty, false)
+            ));
+        }
+        for (status, declared) in [(204, ("content-length", "0")), (304, ("transfer-encoding", "chunked"))] {
+            assert!(matches!(
+                f(&response(status, &[declared]), false, 1),
+                (Framing::Empty, true)
+            ));
+        }
         // Bodiless, but the length is still one number.
         assert!(matches!(
             f(&response(304, &[("content-length", "7, 7")]), false, 1),
