@@ -452,6 +452,14 @@ async fn operators_look_up_and_purge_records_behind_a_token() {
     // The key as a client may send it, an sf-string: the same record.
     let quoted = admin.replace("key=k1", "key=%22k1%22");
     assert_eq!(client.send("GET", &quoted, &auth, "").await.status, StatusCode::OK);
+    // A repeated or unknown parameter would name another record than
+    // meant: refused.
+    for query in ["key=k1&key=k2", "key=k1&sope=x", "route=orders&key=k1"] {
+        let odd = admin.replace("key=k1", query);
+        let refused = client.send("DELETE", &odd, &auth, "").await;
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{query}: {}", refused.text());
+        assert_eq!(refused.problem(), "bad-request", "{query}");
+    }
     let other_scope = admin.replace("alice", "bob");
     // Not there: an answer, 404 with the record's tag, not a problem.
     let absent = client.send("GET", &other_scope, &auth, "").await;

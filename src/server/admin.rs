@@ -221,15 +221,29 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
     {
         let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
         let (name, value) = (String::from_utf8_lossy(&decode(name)).into_owned(), decode(value));
-        match name.as_str() {
-            "route" => route = Some(String::from_utf8_lossy(&value).into_owned()),
-            "key" => key = Some(String::from_utf8_lossy(&value).into_owned()),
-            "scope" => positional.push(value),
-            _ => {
-                if let Some(header) = name.strip_prefix("scope.") {
-                    named.push((header.to_ascii_lowercase(), value));
-                }
+        // A mistyped or repeated parameter would name another record than
+        // meant, and a purge of it lets that record's request run again:
+        // refused, named.
+        let once = match name.as_str() {
+            "route" => &mut route,
+            "key" => &mut key,
+            "scope" => {
+                positional.push(value);
+                continue;
             }
+            _ => match name.strip_prefix("scope.") {
+                Some(header) => {
+                    named.push((header.to_ascii_lowercase(), value));
+                    continue;
+                }
+                None => {
+                    let detail = format!("unknown parameter {name:?}: give route=, key= and scope= or scope.<header>=");
+                    return problem(StatusCode::BAD_REQUEST, "bad-request", &detail);
+                }
+            },
+        };
+        if once.replace(String::from_utf8_lossy(&value).into_owned()).is_some() {
+            return problem(StatusCode::BAD_REQUEST, "bad-request", &format!("{name}= given twice"));
         }
     }
     let (Some(route), Some(key)) = (route, key) else {
