@@ -41,8 +41,10 @@
 //! disk stalls no runtime worker. Leases and TTLs are wall-clock deadlines
 //! in the record, so a claim of a crashed process runs
 //! out after a restart; within a run they are read against the wall clock
-//! at start moved on by the monotonic clock (see [`now_ms`]), so a step of
-//! the system clock does not cut a lease short. An expired record is
+//! at start moved on by the monotonic clock (see [`Clock`]), so a step of
+//! the system clock does not cut a lease short, and written from the wall
+//! clock where it has stepped ahead, so a restart does not find them
+//! ended early. An expired record is
 //! ignored at once and removed by the checkpoint thread's sweep, which
 //! walks the table a batch at a time (a cursor that wraps around), so no
 //! second index is kept.
@@ -102,16 +104,44 @@ const SWEEP_EVERY: Duration = Duration::from_millis(500);
 const SWEEP_BATCH: usize = 4096;
 
 /// The store's clock, in milliseconds since the Unix epoch: the wall clock
-/// as it read when first asked, moved on by the monotonic clock since.
+/// as it read when the store opened, moved on by the monotonic clock since.
 /// Deadlines in the file are wall-clock times, so leases and TTLs run on
 /// across a restart; within a run, a step of the system clock (NTP, a
 /// virtual machine resumed) can neither cut a working owner's lease short,
 /// which would let a second claim reach the upstream, nor keep a record
-/// past its TTL.
-fn now_ms() -> u64 {
-    static ORIGIN: OnceLock<(Instant, u64)> = OnceLock::new();
-    let &(origin, wall) = ORIGIN.get_or_init(|| (Instant::now(), wall_ms()));
-    anchored(origin, wall, Instant::now())
+/// past its TTL. A deadline is written from the wall clock, though, where
+/// that has stepped ahead ([`Clock::stamp`]).
+struct Clock {
+    origin: Instant,
+    anchor: u64,
+    /// The wall clock (another in tests, to be stepped).
+    wall: fn() -> u64,
+}
+
+impl Clock {
+    fn new(wall: fn() -> u64) -> Clock {
+        Clock {
+            origin: Instant::now(),
+            anchor: wall(),
+            wall,
+        }
+    }
+
+    /// Now, to compare deadlines with.
+    fn now(&self) -> u64 {
+        anchored(self.origin, self.anchor, Instant::now())
+    }
+
+    /// What a deadline written at `now` (a reading of [`Clock::now`]) runs
+    /// from: the wall clock where it has stepped ahead of this clock (NTP
+    /// setting right a clock that was slow at boot, a suspend, which the
+    /// monotonic clock does not count), else `now`. A restart reads the
+    /// file by the wall clock; deadlines written by a clock that fell
+    /// behind would end early then, and an answer's retry would run again.
+    /// Within the run they only last longer.
+    fn stamp(&self, now: u64) -> u64 {
+        now.max((self.wall)())
+    }
 }
 
 fn wall_ms() -> u64 {
@@ -229,6 +259,7 @@ struct Shared {
     /// [`Shared::fetch`]): on a disk that hangs, this many threads wait on
     /// it, and further reads wait here, within the store's deadline.
     reads: Arc<tokio::sync::Semaphore>,
+    clock: Clock,
 }
 
 impl Shared {
@@ -394,6 +425,10 @@ impl EmbeddedStore {
     /// Opens (or creates) the file at `path`, applies the log a crash left
     /// behind, and starts the writer and checkpoint threads.
     pub fn open(path: &Path) -> Result<EmbeddedStore, StoreError> {
+        EmbeddedStore::open_with(path, Clock::new(wall_ms))
+    }
+
+    fn open_with(path: &Path, clock: Clock) -> Result<EmbeddedStore, StoreError> {
         let db = Database::builder()
             .set_cache_size(CACHE_BYTES)
             .create(path)
@@ -440,6 +475,7 @@ impl EmbeddedStore {
             failed: OnceLock::new(),
             filter: KeyFilter::default(),
             reads: Arc::new(tokio::sync::Semaphore::new(FILE_READS)),
+            clock,
         });
         let waiters = Arc::new(Waiters::default());
         let (ops, rx) = std_mpsc::sync_channel(QUEUE_OPS);
@@ -520,7 +556,7 @@ impl Store for EmbeddedStore {
         let found = self.shared.fetch(key).await?;
         let absent_at = found.stored.is_none().then_some(found.generation);
         if let Some(stored) = found.stored
-            && stored.deadline > now_ms()
+            && stored.deadline > self.shared.clock.now()
             && let Decoded::Completed {
                 fingerprint: found,
                 outcome,
@@ -588,7 +624,7 @@ impl Store for EmbeddedStore {
         let Some(stored) = self.shared.fetch(key).await?.stored else {
             return Ok(());
         };
-        let now = now_ms();
+        let now = self.shared.clock.now();
         if stored.deadline <= now || stored.record.get(1) != Some(&codec::IN_FLIGHT) {
             return Ok(());
         }
@@ -610,7 +646,7 @@ impl Store for EmbeddedStore {
     }
 
     async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
-        let now = now_ms();
+        let now = self.shared.clock.now();
         match self.shared.fetch(key).await?.stored {
             Some(stored) if stored.deadline > now => Ok(Some((
                 codec::decode(stored.record)?,
@@ -959,12 +995,14 @@ impl Writer {
         {
             self.wal = next;
         }
+        let now = self.shared.clock.now();
         let mut changes = Batch {
             segment: self.wal.segment,
             shared: &self.shared,
             changes: Changes::default(),
             log: Vec::new(),
-            now: now_ms(),
+            now,
+            stamp: self.shared.clock.stamp(now),
         };
         let pending: Vec<Pending> = batch.into_iter().map(|op| changes.apply(op)).collect();
         let Batch { changes, log, .. } = changes;
@@ -1091,7 +1129,10 @@ struct Batch<'a> {
     shared: &'a Shared,
     changes: Changes,
     log: Vec<u8>,
+    /// Now, to compare deadlines with, and what deadlines written now run
+    /// from (see [`Clock::stamp`]).
     now: u64,
+    stamp: u64,
 }
 
 impl Batch<'_> {
@@ -1161,7 +1202,7 @@ impl Batch<'_> {
                     Some(held) => {
                         let fingerprint = codec::fingerprint_of(&held.record)?;
                         let record = codec::completed(&fingerprint, &outcome);
-                        self.put(&key, self.now.saturating_add(ttl), record.into());
+                        self.put(&key, self.stamp.saturating_add(ttl), record.into());
                         Ok(true)
                     }
                 });
@@ -1193,7 +1234,7 @@ impl Batch<'_> {
                 let result = self.owned(&key, owner).map(|held| match held {
                     None => false,
                     Some(held) => {
-                        self.put(&key, self.now.saturating_add(lease), held.record);
+                        self.put(&key, self.stamp.saturating_add(lease), held.record);
                         true
                     }
                 });
@@ -1221,7 +1262,7 @@ impl Batch<'_> {
                     outcome,
                 } => {
                     if let Some(ttl) = refresh.filter(|_| found == *fingerprint && outcome.is_response()) {
-                        self.put(key, self.now.saturating_add(ttl), stored.record.clone());
+                        self.put(key, self.stamp.saturating_add(ttl), stored.record.clone());
                     }
                     Claim::Completed {
                         fingerprint: found,
@@ -1231,7 +1272,7 @@ impl Batch<'_> {
             });
         }
         let record = codec::in_flight(fingerprint, owner);
-        self.put(key, self.now.saturating_add(lease), record.into());
+        self.put(key, self.stamp.saturating_add(lease), record.into());
         Ok(Claim::Claimed)
     }
 }
@@ -1312,7 +1353,7 @@ impl Checkpointer {
     /// segments below the number given, and, if `sweep`, a sweep batch, in
     /// one durable transaction.
     fn write(&mut self, changes: Option<(&Changes, u64)>, sweep: bool) -> Result<(), StoreError> {
-        let now = now_ms();
+        let now = self.shared.clock.now();
         let txn = self.shared.db.begin_write().map_err(unavailable)?;
         let mut sweep_from = self.sweep_from;
         let mut written = self.written_since_sweep;
@@ -1417,8 +1458,39 @@ mod tests {
         assert_eq!(anchored(later, 7, origin), 7);
         // Anchored within the run, it keeps with the wall clock while that
         // is not stepped.
-        let (store, wall) = (now_ms(), wall_ms());
+        let clock = Clock::new(wall_ms);
+        let (store, wall) = (clock.now(), wall_ms());
         assert!(store.abs_diff(wall) < 1_000, "store {store} against wall {wall}");
+    }
+
+    /// The wall clock steps ahead of the store's (NTP setting right a
+    /// clock that was slow at boot) while a store is open: what it writes
+    /// must last its TTL by the wall clock a restart starts from, not end
+    /// early and let the retry run again.
+    #[tokio::test]
+    async fn a_wall_clock_stepped_ahead_does_not_cut_short_what_a_restart_reads() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static AHEAD: AtomicU64 = AtomicU64::new(0);
+        fn stepped() -> u64 {
+            wall_ms() + AHEAD.load(Ordering::Relaxed)
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.redb");
+        let store = EmbeddedStore::open_with(&path, Clock::new(stepped)).unwrap();
+        AHEAD.store(3_600_000, Ordering::Relaxed);
+        let (key, fingerprint, owner) = (RecordKey([70; 32]), Fingerprint([1; 32]), Owner::new());
+        let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(600));
+        assert_eq!(
+            store.claim(&key, &fingerprint, owner, lease, None).await.unwrap(),
+            Claim::Claimed
+        );
+        let outcome = answer(&Bytes::from_static(b"kept"));
+        assert!(store.complete(&key, &fingerprint, owner, outcome, ttl).await.unwrap());
+        drop(store);
+
+        let store = reopen_with(&path, || Clock::new(stepped));
+        let retry = store.claim(&key, &fingerprint, Owner::new(), lease, None).await;
+        assert!(matches!(retry, Ok(Claim::Completed { .. })), "{retry:?}");
     }
 
     #[tokio::test]
@@ -1729,9 +1801,14 @@ mod tests {
 
     /// Opens `path` once the last store on it has let go of the file.
     fn reopen(path: &Path) -> EmbeddedStore {
+        reopen_with(path, || Clock::new(wall_ms))
+    }
+
+    /// [`reopen`] with the clock `clock` makes.
+    fn reopen_with(path: &Path, clock: impl Fn() -> Clock) -> EmbeddedStore {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            match EmbeddedStore::open(path) {
+            match EmbeddedStore::open_with(path, clock()) {
                 Ok(store) => return store,
                 Err(error) if Instant::now() > deadline => panic!("cannot reopen: {error}"),
                 Err(_) => std::thread::sleep(Duration::from_millis(20)),
