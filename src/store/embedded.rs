@@ -73,6 +73,10 @@ const RECORDS: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("records
 /// old entries never carry a number in use again.
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const APPLIED_BELOW: &str = "applied_below";
+/// The log's format: absent in files whose logs were written before log
+/// entries were chained (see [`Wal::crc`]), then [`CHAINED`].
+const LOG_FORMAT: &str = "log_format";
+const CHAINED: u64 = 2;
 
 /// Most reads of the file running at once.
 const FILE_READS: usize = 64;
@@ -442,14 +446,18 @@ impl EmbeddedStore {
             {
                 let mut meta = txn.open_table(META).map_err(unavailable)?;
                 let applied_below = meta.get(APPLIED_BELOW).map_err(unavailable)?.map_or(0, |v| v.value());
+                let chained = meta.get(LOG_FORMAT).map_err(unavailable)?.map(|v| v.value()) == Some(CHAINED);
                 next = segments.last().map_or(1, |(n, _)| n + 1).max(applied_below);
                 meta.insert(APPLIED_BELOW, next).map_err(unavailable)?;
+                // The segments written from here on; those replayed now are
+                // never read again.
+                meta.insert(LOG_FORMAT, CHAINED).map_err(unavailable)?;
                 let mut table = txn.open_table(RECORDS).map_err(unavailable)?;
                 // Segments below `applied_below` are in the file already
                 // (a crash came between a checkpoint and their removal).
                 for (n, segment) in segments.iter().filter(|(n, _)| *n >= applied_below) {
                     let bytes = fs::read(segment).map_err(unavailable)?;
-                    for (key, change) in Wal::entries(&bytes, *n) {
+                    for (key, change) in Wal::entries(&bytes, *n, chained) {
                         match change {
                             Some(value) => table.insert(key, value),
                             None => table.remove(key),
@@ -676,6 +684,8 @@ struct Wal {
     segment: u64,
     file: File,
     offset: u64,
+    /// The checksum of the last entry written, which the next one's covers.
+    link: u32,
 }
 
 const PUT: u8 = 1;
@@ -769,6 +779,7 @@ impl Wal {
             segment: n,
             file: OpenOptions::new().write(true).open(target)?,
             offset: 0,
+            link: 0,
         })
     }
 
@@ -836,35 +847,41 @@ impl Wal {
         }
     }
 
-    fn crc(segment: u64, body: &[u8]) -> u32 {
+    /// An entry's checksum: CRC-32 of its segment's number, of the checksum
+    /// of the entry before it in the segment (`link`, 0 for the first), and
+    /// of its body. Chained so, what a recycled file holds from its earlier
+    /// life (under another number, or under this one: a restored file's
+    /// numbers repeat; entries a stored body spells out for a number to
+    /// come) does not follow on from what this life wrote, and replay stops
+    /// where this life's entries end. No `link`: a log written before
+    /// entries were chained, read once, as a store opens on it.
+    fn crc(segment: u64, link: Option<u32>, body: &[u8]) -> u32 {
         let mut crc = crc32fast::Hasher::new();
         crc.update(&segment.to_le_bytes());
+        if let Some(link) = link {
+            crc.update(&link.to_le_bytes());
+        }
         crc.update(body);
         crc.finalize()
     }
 
-    /// Appends an entry for segment `segment` to `buf`: a put of the value
-    /// `change`, or a removal.
-    fn encode(buf: &mut Vec<u8>, segment: u64, key: &[u8; 32], change: Option<&[u8]>) {
+    /// Appends an entry for segment `segment` after the one whose checksum
+    /// is `link` to `buf`: a put of the value `change`, or a removal.
+    fn encode(buf: &mut Vec<u8>, (segment, link): (u64, &mut u32), key: &[u8; 32], change: Option<&[u8]>) {
         match change {
-            Some(value) => Wal::entry(buf, segment, key, PUT, &[value]),
-            None => Wal::entry(buf, segment, key, REMOVE, &[]),
+            Some(value) => Wal::entry(buf, (segment, link), key, PUT, &[value]),
+            None => Wal::entry(buf, (segment, link), key, REMOVE, &[]),
         }
     }
 
     /// Appends a put of `stored` (the file's value: deadline, then record).
-    fn encode_put(buf: &mut Vec<u8>, segment: u64, key: &[u8; 32], stored: &Stored) {
-        Wal::entry(
-            buf,
-            segment,
-            key,
-            PUT,
-            &[&stored.deadline.to_be_bytes(), &stored.record],
-        );
+    fn encode_put(buf: &mut Vec<u8>, at: (u64, &mut u32), key: &[u8; 32], stored: &Stored) {
+        Wal::entry(buf, at, key, PUT, &[&stored.deadline.to_be_bytes(), &stored.record]);
     }
 
-    /// Appends an entry whose value is `parts`, one after the other.
-    fn entry(buf: &mut Vec<u8>, segment: u64, key: &[u8; 32], kind: u8, parts: &[&[u8]]) {
+    /// Appends an entry whose value is `parts`, one after the other, and
+    /// makes `link` its checksum.
+    fn entry(buf: &mut Vec<u8>, (segment, link): (u64, &mut u32), key: &[u8; 32], kind: u8, parts: &[&[u8]]) {
         let value_len: usize = parts.iter().map(|part| part.len()).sum();
         let len = u32::try_from(33 + value_len).expect("a record is far below 4 GiB");
         let start = buf.len();
@@ -875,20 +892,23 @@ impl Wal {
         for part in parts {
             buf.extend_from_slice(part);
         }
-        let crc = Wal::crc(segment, &buf[start + 8..]);
+        let crc = Wal::crc(segment, Some(*link), &buf[start + 8..]);
         buf[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+        *link = crc;
     }
 
     /// The entries of segment `segment`, up to the first torn, damaged or
-    /// stale one.
-    fn entries(mut bytes: &[u8], segment: u64) -> impl Iterator<Item = (&[u8; 32], Option<&[u8]>)> {
+    /// stale one; `chained` unless written before entries were.
+    fn entries(mut bytes: &[u8], segment: u64, chained: bool) -> impl Iterator<Item = (&[u8; 32], Option<&[u8]>)> {
+        let mut link = chained.then_some(0);
         std::iter::from_fn(move || {
             let len = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
             let crc = u32::from_le_bytes(bytes.get(4..8)?.try_into().ok()?);
             let body = bytes.get(8..8 + len).filter(|b| b.len() >= 33)?;
-            if Wal::crc(segment, body) != crc {
+            if Wal::crc(segment, link, body) != crc {
                 return None;
             }
+            link = link.map(|_| crc);
             bytes = &bytes[8 + len..];
             let key: &[u8; 32] = body[..32].try_into().ok()?;
             match body[32] {
@@ -899,12 +919,14 @@ impl Wal {
         })
     }
 
-    /// Writes `buf` at the end of the log and syncs it.
-    fn append(&mut self, buf: &[u8]) -> std::io::Result<()> {
+    /// Writes `buf`, whose last entry's checksum is `link`, at the end of
+    /// the log and syncs it.
+    fn append(&mut self, buf: &[u8], link: u32) -> std::io::Result<()> {
         use std::os::unix::fs::FileExt;
         self.file.write_all_at(buf, self.offset)?;
         self.file.sync_data()?;
         self.offset += buf.len() as u64;
+        self.link = link;
         Ok(())
     }
 }
@@ -998,6 +1020,7 @@ impl Writer {
         let now = self.shared.clock.now();
         let mut changes = Batch {
             segment: self.wal.segment,
+            link: self.wal.link,
             shared: &self.shared,
             changes: Changes::default(),
             log: Vec::new(),
@@ -1005,13 +1028,13 @@ impl Writer {
             stamp: self.shared.clock.stamp(now),
         };
         let pending: Vec<Pending> = batch.into_iter().map(|op| changes.apply(op)).collect();
-        let Batch { changes, log, .. } = changes;
+        let Batch { changes, log, link, .. } = changes;
         let synced = if let Some(failure) = self.shared.failed.get() {
             Err(StoreError::Unavailable(failure.clone().into()))
         } else if log.is_empty() {
             Ok(())
         } else {
-            self.wal.append(&log).map_err(|error| {
+            self.wal.append(&log, link).map_err(|error| {
                 // After a failed write or sync the segment's tail is
                 // unknown. What was acknowledged is in the log before it.
                 let failure = format!("a write to the embedded store's log failed ({error}); restart to recover");
@@ -1124,8 +1147,10 @@ fn copy_error(error: &StoreError) -> StoreError {
 
 /// One batch being decided: its own changes first, then the store's.
 struct Batch<'a> {
-    /// The log segment the batch goes to.
+    /// The log segment the batch goes to, and the checksum its next entry
+    /// covers.
     segment: u64,
+    link: u32,
     shared: &'a Shared,
     changes: Changes,
     log: Vec<u8>,
@@ -1153,12 +1178,12 @@ impl Batch<'_> {
 
     fn put(&mut self, key: &RecordKey, deadline: u64, record: Bytes) {
         let stored = Stored { deadline, record };
-        Wal::encode_put(&mut self.log, self.segment, &key.0, &stored);
+        Wal::encode_put(&mut self.log, (self.segment, &mut self.link), &key.0, &stored);
         self.changes.insert(key.0, Some(stored));
     }
 
     fn remove(&mut self, key: &RecordKey) {
-        Wal::encode(&mut self.log, self.segment, &key.0, None);
+        Wal::encode(&mut self.log, (self.segment, &mut self.link), &key.0, None);
         self.changes.insert(key.0, None);
     }
 
@@ -1508,12 +1533,13 @@ mod tests {
 
     #[test]
     fn log_entries_round_trip_and_stop_at_a_torn_stale_or_damaged_one() {
-        let mut log = Vec::new();
-        Wal::encode(&mut log, 7, &[1; 32], Some(b"first"));
-        Wal::encode(&mut log, 7, &[2; 32], None);
+        let (mut log, mut link) = (Vec::new(), 0);
+        Wal::encode(&mut log, (7, &mut link), &[1; 32], Some(b"first"));
+        let first = log.len();
+        Wal::encode(&mut log, (7, &mut link), &[2; 32], None);
         let whole = log.len();
-        Wal::encode(&mut log, 7, &[3; 32], Some(b"torn"));
-        let entries: Vec<_> = Wal::entries(&log, 7).collect();
+        Wal::encode(&mut log, (7, &mut link), &[3; 32], Some(b"torn"));
+        let entries: Vec<_> = Wal::entries(&log, 7, true).collect();
         assert_eq!(
             entries,
             vec![
@@ -1524,16 +1550,25 @@ mod tests {
         );
 
         // Cut in the middle of the last entry, or a flipped bit: it is ignored.
-        assert_eq!(Wal::entries(&log[..log.len() - 2], 7).count(), 2);
+        assert_eq!(Wal::entries(&log[..log.len() - 2], 7, true).count(), 2);
         let mut damaged = log.clone();
         damaged[whole + 40] ^= 1;
-        assert_eq!(Wal::entries(&damaged, 7).count(), 2);
+        assert_eq!(Wal::entries(&damaged, 7, true).count(), 2);
         // A recycled segment: entries written under another number are stale.
-        assert_eq!(Wal::entries(&log, 8).count(), 0);
+        assert_eq!(Wal::entries(&log, 8, true).count(), 0);
         // Zeros (a fresh segment's tail) end it too.
         let mut padded = log.clone();
         padded.extend_from_slice(&[0; 64]);
-        assert_eq!(Wal::entries(&padded, 7).count(), 3);
+        assert_eq!(Wal::entries(&padded, 7, true).count(), 3);
+        // A later life under the same number (a restored file's numbers
+        // repeat) whose last entry ends where an earlier life's did: what
+        // follows is the earlier life's, and not read.
+        let (mut later, mut link) = (Vec::new(), 0);
+        Wal::encode(&mut later, (7, &mut link), &[9; 32], Some(b"later"));
+        assert_eq!(later.len(), first);
+        later.extend_from_slice(&log[first..]);
+        let entries: Vec<_> = Wal::entries(&later, 7, true).collect();
+        assert_eq!(entries, vec![(&[9; 32], Some(&b"later"[..]))]);
     }
 
     #[test]
@@ -1541,9 +1576,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s.redb");
         let mut wal = Wal::create(&path, 1).unwrap();
-        let mut log = Vec::new();
-        Wal::encode(&mut log, 1, &[1; 32], Some(b"old"));
-        wal.append(&log).unwrap();
+        let (mut log, mut link) = (Vec::new(), 0);
+        Wal::encode(&mut log, (1, &mut link), &[1; 32], Some(b"old"));
+        wal.append(&log, link).unwrap();
         Wal::retire(&path, [1]).unwrap();
         Wal::top_up(&path);
         assert!(Wal::segments(&path).unwrap().is_empty());
@@ -1558,7 +1593,7 @@ mod tests {
         drop(wal);
         let bytes = std::fs::read(Wal::segment_path(&path, 2)).unwrap();
         assert_eq!(
-            Wal::entries(&bytes, 2).count(),
+            Wal::entries(&bytes, 2, true).count(),
             0,
             "what segment 1 wrote is not segment 2's"
         );
@@ -1948,7 +1983,7 @@ mod tests {
         // A segment numbered below that, whose removal a crash undid, holds
         // an older change: it must not be applied over the file.
         let mut log = Vec::new();
-        Wal::encode(&mut log, 1, &key.0, None);
+        Wal::encode(&mut log, (1, &mut 0), &key.0, None);
         std::fs::write(Wal::segment_path(&path, 1), &log).unwrap();
         let store = reopen(&path);
         let (record, _) = store.inspect(&key).await.unwrap().expect("the record survived");
@@ -1957,6 +1992,59 @@ mod tests {
             Wal::segments(&path).unwrap().iter().all(|(n, _)| *n > 1),
             "the stale segment was retired"
         );
+    }
+
+    /// A log written before entries were chained (its file says no log
+    /// format) is replayed as it was written, once.
+    #[tokio::test]
+    async fn a_log_from_before_entries_were_chained_is_replayed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("u.redb");
+        drop(EmbeddedStore::open(&path).unwrap());
+        let db = reopen_db(&path);
+        let txn = db.begin_write().unwrap();
+        txn.open_table(META).unwrap().remove(LOG_FORMAT).unwrap();
+        txn.commit().unwrap();
+        drop(db);
+        // The segment the store would write to next, as the earlier
+        // format wrote it: a completed record.
+        let (n, segment) = Wal::segments(&path).unwrap().pop().expect("a segment");
+        let key = RecordKey([80; 32]);
+        let record = codec::completed(&Fingerprint([1; 32]), &Outcome::Unknown);
+        let mut body = key.0.to_vec();
+        body.push(PUT);
+        body.extend_from_slice(&(wall_ms() + 600_000).to_be_bytes());
+        body.extend_from_slice(&record);
+        let mut log = (body.len() as u32).to_le_bytes().to_vec();
+        log.extend_from_slice(&Wal::crc(n, None, &body).to_le_bytes());
+        log.extend_from_slice(&body);
+        std::fs::write(&segment, &log).unwrap();
+
+        let store = reopen(&path);
+        let (found, _) = store.inspect(&key).await.unwrap().expect("the old log was replayed");
+        assert!(matches!(found, Decoded::Completed { .. }));
+        drop(store);
+        let db = reopen_db(&path);
+        let format = db
+            .begin_read()
+            .unwrap()
+            .open_table(META)
+            .unwrap()
+            .get(LOG_FORMAT)
+            .unwrap();
+        assert_eq!(format.map(|v| v.value()), Some(CHAINED));
+    }
+
+    /// The redb file at `path`, once the last store on it has let go.
+    fn reopen_db(path: &Path) -> Database {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match Database::open(path) {
+                Ok(db) => return db,
+                Err(error) if Instant::now() > deadline => panic!("cannot open: {error}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
