@@ -137,16 +137,23 @@ impl Clock {
     }
 
     /// What a deadline written at `now` (a reading of [`Clock::now`]) runs
-    /// from: the wall clock where it has stepped ahead of this clock (NTP
-    /// setting right a clock that was slow at boot, a suspend, which the
-    /// monotonic clock does not count), else `now`. A restart reads the
-    /// file by the wall clock; deadlines written by a clock that fell
-    /// behind would end early then, and an answer's retry would run again.
-    /// Within the run they only last longer.
+    /// from: the wall clock where it has stepped more than [`STEP`] ahead
+    /// of this clock (NTP setting right a clock that was slow at boot, a
+    /// suspend, which the monotonic clock does not count), else `now`. A
+    /// restart reads the file by the wall clock; deadlines written by a
+    /// clock that fell behind would end early then, and an answer's retry
+    /// would run again. Within the run they only last longer.
     fn stamp(&self, now: u64) -> u64 {
-        now.max((self.wall)())
+        let wall = (self.wall)();
+        if wall > now.saturating_add(STEP) { wall } else { now }
     }
 }
+
+/// How far the wall clock may run ahead of the store's before deadlines
+/// are written from it: the two clocks' readings differ by a millisecond
+/// or so anyway, and a record would then read as lasting longer than its
+/// TTL.
+const STEP: u64 = 1_000;
 
 fn wall_ms() -> u64 {
     SystemTime::now()
