@@ -99,26 +99,58 @@ on_upstream_failure = "unknown"
     assert_eq!(upstream.hits(), 3);
 }
 
-#[tokio::test]
-async fn a_body_that_breaks_off_is_not_recorded_and_the_client_sees_the_break() {
-    let upstream = Upstream::start(|_, _| Reply::BreakOff).await;
-    let proxy = Proxy::start(&upstream.url(), &route("")).await;
+/// POSTs with `key` to `url`: the answer's status, and whether its body
+/// came whole.
+async fn post_to_the_end(url: &str, key: &str) -> (StatusCode, bool) {
+    use http_body_util::BodyExt;
     let client: hyper_util::client::legacy::Client<_, http_body_util::Full<Bytes>> =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+    let request = http::Request::post(url)
+        .header("idempotency-key", key)
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    let response = client.request(request).await.unwrap();
+    let status = response.status();
+    (status, response.into_body().collect().await.is_ok())
+}
+
+#[tokio::test]
+async fn a_body_that_breaks_off_is_not_recorded_and_the_client_sees_the_break() {
+    let upstream = Upstream::start(|_, _| Reply::BreakOff(StatusCode::OK)).await;
+    let proxy = Proxy::start(&upstream.url(), &route("")).await;
     for hit in 1..=2 {
-        let request = http::Request::post(proxy.url("/v1/orders"))
-            .header("idempotency-key", "broken")
-            .body(http_body_util::Full::new(Bytes::new()))
-            .unwrap();
-        let response = client.request(request).await.unwrap();
-        use http_body_util::BodyExt;
-        assert!(
-            response.into_body().collect().await.is_err(),
-            "a truncated body must not look whole"
-        );
+        let (_, whole) = post_to_the_end(&proxy.url("/v1/orders"), "broken").await;
+        assert!(!whole, "a truncated body must not look whole");
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(upstream.hits(), hit, "released: the retry runs again");
     }
+}
+
+/// An answer never recorded (a 429, a 5xx that `on_server_error`
+/// releases) whose body breaks off is released too, even where
+/// `on_upstream_failure = "unknown"`: its head said the backend did not
+/// act, or that the retry may run, and the key must not be locked for its
+/// TTL as an unknown outcome.
+#[tokio::test]
+async fn a_refusal_that_breaks_off_is_released_even_where_outcomes_are_kept_unknown() {
+    let upstream = Upstream::start(|hit, _| match hit {
+        1 => Reply::BreakOff(StatusCode::TOO_MANY_REQUESTS),
+        2 => Reply::BreakOff(StatusCode::SERVICE_UNAVAILABLE),
+        _ => Reply::created(hit),
+    })
+    .await;
+    let proxy = Proxy::start(&upstream.url(), &route("on_upstream_failure = \"unknown\"")).await;
+    for (hit, refused) in [(1, StatusCode::TOO_MANY_REQUESTS), (2, StatusCode::SERVICE_UNAVAILABLE)] {
+        let (status, whole) = post_to_the_end(&proxy.url("/v1/orders"), "refused").await;
+        assert_eq!((status, whole), (refused, false));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(upstream.hits(), hit);
+    }
+    let created = TestClient::default()
+        .post(&proxy.url("/v1/orders"), "refused", "")
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
+    assert_eq!(upstream.hits(), 3);
 }
 
 #[tokio::test]

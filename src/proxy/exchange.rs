@@ -501,14 +501,15 @@ impl Exchange {
             Some(Err(error)) => {
                 counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(route = %live.route.name, key = %key.tag(), error = %error_chain(&error), "upstream failed after the request was sent");
-                let problem = fail(guard, policy, Failure::Broken).await;
+                // No head: nothing says the backend did not act.
+                let problem = fail(guard, policy, Failure::Broken, true).await;
                 let _ = reply.send(problem.response());
                 return;
             }
             None => {
                 counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(route = %live.route.name, key = %key.tag(), "upstream timed out");
-                let problem = fail(guard, policy, Failure::Timeout).await;
+                let problem = fail(guard, policy, Failure::Timeout, true).await;
                 let _ = reply.send(problem.response());
                 return;
             }
@@ -553,7 +554,7 @@ impl Exchange {
                 }
                 Some(Some(Err(error))) => {
                     tracing::warn!(route = %live.route.name, key = %key.tag(), %error, "upstream body broke off");
-                    let problem = fail(guard, policy, Failure::Broken).await;
+                    let problem = fail(guard, policy, Failure::Broken, keep).await;
                     let _ = reply.send(problem.response());
                     return;
                 }
@@ -603,13 +604,13 @@ impl Exchange {
                     Ok(Some(Ok(frame))) => frame,
                     Ok(Some(Err(error))) => {
                         tracing::warn!(route = %live.route.name, key = %key.tag(), %error, "upstream body broke off");
-                        fail(guard, policy, Failure::Broken).await;
+                        fail(guard, policy, Failure::Broken, keep).await;
                         abort(relay.client, "the upstream response broke off");
                         return;
                     }
                     Err(_) => {
                         tracing::warn!(route = %live.route.name, key = %key.tag(), "upstream body timed out");
-                        fail(guard, policy, Failure::Timeout).await;
+                        fail(guard, policy, Failure::Timeout, keep).await;
                         abort(relay.client, "the upstream response timed out");
                         return;
                     }
@@ -698,13 +699,21 @@ fn kept_headers<'a>(
         .filter(|(name, _)| !policy.replay_drop_headers.contains(name))
 }
 
-/// Applies `on_upstream_failure` and names the problem the first client gets.
-async fn fail(guard: ClaimGuard, policy: &Policy, failure: Failure) -> Problem {
-    match policy.on_upstream_failure {
+/// Applies `on_upstream_failure` and names the problem the first client
+/// gets. An answer whose head has come but that would not be `kept` (one
+/// that says the backend did not act, a 5xx that `on_server_error`
+/// releases) is released whatever the policy: its head settled that a
+/// retry may run.
+async fn fail(guard: ClaimGuard, policy: &Policy, failure: Failure, kept: bool) -> Problem {
+    let on_failure = match kept {
+        true => policy.on_upstream_failure,
+        false => OnUpstreamFailure::Release,
+    };
+    match on_failure {
         OnUpstreamFailure::Release => guard.release().await,
         OnUpstreamFailure::Unknown => guard.complete(Outcome::Unknown, policy.ttl).await,
     }
-    match (failure, policy.on_upstream_failure) {
+    match (failure, on_failure) {
         (Failure::Timeout, _) => Problem::UpstreamTimeout,
         (Failure::Broken, OnUpstreamFailure::Unknown) => Problem::OutcomeUnknown,
         (Failure::Broken, OnUpstreamFailure::Release) => {

@@ -55,8 +55,8 @@ pub enum Reply {
     },
     /// Close the connection without an answer, after `delay`.
     Reset { delay: Duration },
-    /// Send the head and the first chunk, then break off.
-    BreakOff,
+    /// Send a head of this status and the first chunk, then break off.
+    BreakOff(StatusCode),
 }
 
 impl Reply {
@@ -209,7 +209,7 @@ async fn answer(
             tokio::time::sleep(delay).await;
             Err(Reset)
         }
-        Reply::BreakOff => {
+        Reply::BreakOff(status) => {
             let (tx, body) = ResponseBody::channel(4);
             tokio::spawn(async move {
                 let _ = tx.send(Frame::data(Bytes::from_static(b"partial"))).await;
@@ -217,6 +217,7 @@ async fn answer(
                 tx.abort("broken");
             });
             let mut response = Response::new(body);
+            *response.status_mut() = status;
             response
                 .headers_mut()
                 .insert("content-length", HeaderValue::from_static("1000"));
