@@ -321,6 +321,46 @@ async fn shutdown_drains_requests_and_exchanges_whose_clients_left() {
     }
 }
 
+/// A shutdown whose grace runs out while a request that may have reached
+/// the upstream is still open, on a route that keeps such outcomes
+/// unknown, records it as unknown before the process exits: the retry
+/// after the restart gets 502 outcome-unknown, never a second run (left
+/// to its lease, the claim would have let the retry run it again).
+#[tokio::test]
+async fn a_shutdown_past_its_grace_records_requests_that_may_have_been_sent_as_unknown() {
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_secs(5))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let toml = format!(
+        "[server]\nshutdown_grace = \"300ms\"\n[store]\nbackend = \"embedded\"\npath = \"{}\"\n\
+         [[route]]\nname = \"orders\"\npath = \"/v1/orders\"\non_upstream_failure = \"unknown\"\n",
+        dir.path().join("s.redb").display()
+    );
+    let mut gate = Binary::start(&upstream.url(), &toml).await;
+    let client = TestClient::default();
+    let url = gate.url("/v1/orders");
+    let first = tokio::spawn({
+        let client = client.clone();
+        async move { client.post(&url, "sent", "").await }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while upstream.hits() == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the request never reached the upstream"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    gate.signal("TERM");
+    gate.wait(Duration::from_secs(10)).expect("SIGTERM stops the process");
+    first.abort();
+    assert!(gate.log().contains("recorded_unknown=1"), "{}", gate.log());
+
+    let restarted = Binary::start(&upstream.url(), &toml).await;
+    let retry = client.post(&restarted.url("/v1/orders"), "sent", "").await;
+    assert_eq!(retry.problem(), "outcome-unknown", "{}", retry.text());
+    assert_eq!(upstream.hits(), 1);
+}
+
 /// Without a token, a loopback admin listener answers /records only to
 /// requests for this machine: a web page whose name was rebound to
 /// 127.0.0.1 sends its own name as the host, and could purge otherwise.

@@ -8,6 +8,7 @@
 //! [`ClaimGuard`] that renews the lease while it lives and releases the
 //! claim if the exchange ends without settling it.
 
+use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -58,6 +59,62 @@ pub struct Exchange {
     pub timeout: Duration,
     /// How long the client may stall a streamed answer.
     pub client_timeout: Duration,
+}
+
+/// The claims of requests that may have gone upstream on routes with
+/// `on_upstream_failure = "unknown"`, until settled: one set per worker,
+/// kept across reloads. A shutdown whose grace runs out records each as an
+/// unknown outcome ([`SentClaims::record_unknown`]); the exchanges are then
+/// dropped with their runtime, and a lease left to run out would let a
+/// retry run the request again.
+#[derive(Clone, Default)]
+pub struct SentClaims(Arc<std::sync::Mutex<HashMap<Owner, SentClaim>>>);
+
+/// A claim [`SentClaims`] holds, and the `ttl` of its unknown outcome.
+struct SentClaim {
+    store: StoreHandle,
+    key: RecordKey,
+    fingerprint: Fingerprint,
+    ttl: Duration,
+}
+
+impl SentClaims {
+    fn insert(&self, owner: Owner, claim: SentClaim) {
+        self.lock().insert(owner, claim);
+    }
+
+    /// Takes `owner`'s claim out; false if a shutdown has taken it.
+    fn remove(&self, owner: Owner) -> bool {
+        self.lock().remove(&owner).is_some()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Owner, SentClaim>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records every claim here as an unknown outcome, each within the
+    /// store's deadline; returns how many were recorded.
+    pub async fn record_unknown(&self) -> usize {
+        let claims: Vec<_> = self.lock().drain().collect();
+        let recorded = claims.into_iter().map(|(owner, claim)| async move {
+            let SentClaim {
+                store,
+                key,
+                fingerprint,
+                ttl,
+            } = claim;
+            let done = store.complete(&key, &fingerprint, owner, Outcome::Unknown, ttl).await;
+            if let Err(error) = &done {
+                tracing::error!(key = %key.tag(), error = %error_chain(error), "recording an unknown outcome at shutdown failed; the lease will run out");
+            }
+            matches!(done, Ok(true))
+        });
+        futures_util::future::join_all(recorded)
+            .await
+            .into_iter()
+            .filter(|done| *done)
+            .count()
+    }
 }
 
 /// Holds a claim: renews its lease while the exchange runs long, and when
@@ -112,8 +169,15 @@ impl ClaimGuard {
     /// unsettled (a panic) must not let a retry run it again when the route
     /// keeps such outcomes as unknown.
     fn sending(&mut self, policy: &Policy) {
-        if policy.on_upstream_failure == OnUpstreamFailure::Unknown {
+        if policy.on_upstream_failure == OnUpstreamFailure::Unknown && self.unknown_for.is_none() {
             self.unknown_for = Some(policy.ttl);
+            let claim = SentClaim {
+                store: self.context.store.clone(),
+                key: self.key,
+                fingerprint: self.fingerprint,
+                ttl: policy.ttl,
+            };
+            self.context.sent.insert(self.owner, claim);
         }
     }
 
@@ -179,6 +243,9 @@ impl ClaimGuard {
     fn settle(&mut self) {
         if let Some(renewal) = self.renewal.take() {
             renewal.abort();
+        }
+        if self.unknown_for.take().is_some() {
+            self.context.sent.remove(self.owner);
         }
         self.settled = true;
     }
@@ -246,6 +313,10 @@ impl Drop for ClaimGuard {
         let Some(ttl) = self.unknown_for else {
             return self.context.store.release_in_background(self.key, self.owner);
         };
+        if !self.context.sent.remove(self.owner) {
+            // A shutdown has recorded it as unknown.
+            return;
+        }
         if tokio::runtime::Handle::try_current().is_err() {
             // Shutting down: the lease runs out instead.
             return;
@@ -783,6 +854,7 @@ mod tests {
             client: super::super::upstream::client(&config.upstream).unwrap(),
             metrics: Arc::default(),
             exchanges: TaskTracker::new(),
+            sent: SentClaims::default(),
         });
         let lease = Duration::from_secs(30);
         let fingerprint = Fingerprint([2; 32]);

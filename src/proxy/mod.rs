@@ -44,6 +44,7 @@ use crate::config::{Config, DeriveField, Mode, OnInFlight, OnStoreError, Policy,
 use crate::store::{Claim, Outcome as Stored, Owner, StoreError, StoreHandle, StoredResponse};
 use crate::telemetry::{self, Metrics, Outcome, RouteCounters};
 use exchange::Exchange;
+pub use exchange::SentClaims;
 use upstream::{OnStale, UpstreamClient};
 
 /// A configured route with what it needs at run time.
@@ -78,6 +79,8 @@ struct Context {
     /// The tasks shutdown drains (within `shutdown_grace`): exchanges
     /// handed off, and completions being retried.
     exchanges: TaskTracker,
+    /// The claims a shutdown records as unknown if its grace runs out.
+    sent: SentClaims,
 }
 
 /// One configuration, ready to serve: routes, store, upstream client.
@@ -147,12 +150,14 @@ impl From<RequestBody> for ClientBody {
 static REPLAYED: http::HeaderName = http::HeaderName::from_static("idempotent-replayed");
 
 impl Gateway {
-    /// `exchanges` tracks every claimed exchange, so shutdown can wait for them.
+    /// `exchanges` tracks every claimed exchange, so shutdown can wait for
+    /// them, and `sent` the claims it records as unknown if its grace
+    /// runs out; both outlive a reload.
     pub fn new(
         config: Arc<Config>,
         store: StoreHandle,
         metrics: Arc<Metrics>,
-        exchanges: TaskTracker,
+        (exchanges, sent): (TaskTracker, SentClaims),
     ) -> Result<Gateway, crate::server::tls::TlsError> {
         let routes = config
             .routes
@@ -174,6 +179,7 @@ impl Gateway {
                 store,
                 metrics,
                 exchanges,
+                sent,
             }),
             config,
         })

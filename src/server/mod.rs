@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, StoreBackend};
-use crate::proxy::{BoxError, ClientBody, Gateway, Peer, ResponseBody};
+use crate::proxy::{BoxError, ClientBody, Gateway, Peer, ResponseBody, SentClaims};
 use crate::store::StoreHandle;
 use crate::telemetry::Metrics;
 
@@ -74,8 +74,10 @@ pub struct Server {
     tls: Option<TlsAcceptor>,
     gateway: Arc<ArcSwap<Gateway>>,
     metrics: Arc<Metrics>,
-    /// Every claimed exchange, across reloads: drained on shutdown.
+    /// Every claimed exchange, across reloads: drained on shutdown; and
+    /// the claims it records as unknown if its grace runs out.
     exchanges: TaskTracker,
+    sent: SentClaims,
 }
 
 /// Swaps in a new configuration while the server runs.
@@ -84,6 +86,7 @@ pub struct Reloader {
     gateway: Arc<ArcSwap<Gateway>>,
     metrics: Arc<Metrics>,
     exchanges: TaskTracker,
+    sent: SentClaims,
 }
 
 impl Reloader {
@@ -143,7 +146,7 @@ impl Reloader {
             Arc::new(config),
             old.store().clone(),
             self.metrics.clone(),
-            self.exchanges.clone(),
+            (self.exchanges.clone(), self.sent.clone()),
         )?;
         let routes = gateway.config().routes.len();
         self.gateway.store(Arc::new(gateway));
@@ -249,8 +252,13 @@ impl Server {
         admin: Option<std::net::TcpListener>,
     ) -> Result<Server, ServerError> {
         let tls = config.server.tls.as_ref().map(tls::acceptor).transpose()?;
-        let exchanges = TaskTracker::new();
-        let gateway = Gateway::new(Arc::new(config), store, metrics.clone(), exchanges.clone())?;
+        let (exchanges, sent) = (TaskTracker::new(), SentClaims::default());
+        let gateway = Gateway::new(
+            Arc::new(config),
+            store,
+            metrics.clone(),
+            (exchanges.clone(), sent.clone()),
+        )?;
         Ok(Server {
             listener: listener(listen)?,
             admin: admin.map(listener).transpose()?,
@@ -258,6 +266,7 @@ impl Server {
             gateway: Arc::new(ArcSwap::from_pointee(gateway)),
             metrics,
             exchanges,
+            sent,
         })
     }
 
@@ -279,6 +288,7 @@ impl Server {
             gateway: self.gateway.clone(),
             metrics: self.metrics.clone(),
             exchanges: self.exchanges.clone(),
+            sent: self.sent.clone(),
         }
     }
 
@@ -299,6 +309,7 @@ impl Server {
             gateway,
             metrics,
             exchanges,
+            sent,
         } = self;
         let config = gateway.load().config().clone();
         let (admin_phase, phase) = tokio::sync::watch::channel(admin::Phase::Serving);
@@ -393,10 +404,21 @@ impl Server {
         };
         match tokio::time::timeout(grace, drained).await {
             Ok(()) => tracing::info!("drained"),
-            Err(_) => tracing::warn!(
-                open = exchanges.len(),
-                "shutdown grace ran out; exchanges still open keep their claims until their leases end"
-            ),
+            Err(_) => {
+                // Dropped with the runtime, requests that may have been sent
+                // on routes that keep such outcomes as unknown would leave
+                // their claims to their leases, and a retry would run them
+                // again: recorded as unknown first.
+                let unknown = sent.record_unknown().await;
+                tracing::warn!(
+                    connections = connections.len(),
+                    exchanges = exchanges.len(),
+                    recorded_unknown = unknown,
+                    "shutdown grace ran out; requests still open keep their claims until their leases \
+                     end, those that may have been sent on routes with on_upstream_failure = \"unknown\" \
+                     are recorded as unknown"
+                );
+            }
         }
         others_drained.await;
         let _ = admin_phase.send(admin::Phase::Stopped);
@@ -776,11 +798,13 @@ mod tests {
             Duration::from_secs(1),
         );
         let metrics = Arc::new(Metrics::default());
-        let gateway = Gateway::new(Arc::new(running), store, metrics.clone(), TaskTracker::new()).unwrap();
+        let tracked = (TaskTracker::new(), SentClaims::default());
+        let gateway = Gateway::new(Arc::new(running), store, metrics.clone(), tracked.clone()).unwrap();
         let reloader = Reloader {
             gateway: Arc::new(ArcSwap::from_pointee(gateway)),
             metrics,
-            exchanges: TaskTracker::new(),
+            exchanges: tracked.0,
+            sent: tracked.1,
         };
         // The file moves the listener to loopback and keeps the token:
         // applied, but the listener is still where it was bound.
