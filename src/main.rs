@@ -102,7 +102,11 @@ fn check(path: &Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     // What `serve` checks before it binds: the certificate, key and CA files.
     server::check(&config).with_context(|| path.display().to_string())?;
-    let text = format!("{}{}: ok\n", idemgate::config::describe(&config), path.display());
+    let mut text = idemgate::config::describe(&config);
+    for warning in idemgate::config::warnings(&config) {
+        text.push_str(&format!("warning: {warning}\n"));
+    }
+    text.push_str(&format!("{}: ok\n", path.display()));
     // Not print!, which panics when the reader has gone (`check | head`).
     let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
     Ok(())
@@ -196,6 +200,9 @@ fn serve(path: &Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     idemgate::telemetry::init();
     server::check(&config).with_context(|| path.display().to_string())?;
+    for warning in idemgate::config::warnings(&config) {
+        tracing::warn!("{warning}");
+    }
     raise_open_files_limit();
     let workers = config.server.workers;
     // Runs the store's background tasks (expiry sweeps, Redis subscriptions)
@@ -320,6 +327,9 @@ fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
                 if let Err(error) = server::check(&config) {
                     tracing::error!("reload refused, the running configuration stays: {error:#}");
                     continue;
+                }
+                for warning in idemgate::config::warnings(&config) {
+                    tracing::warn!("{warning}");
                 }
                 // Every worker runs the same configuration, so the first
                 // refuses for all of them.

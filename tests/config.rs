@@ -539,6 +539,28 @@ fn check_prints_each_route_and_exits_zero() {
     }
 }
 
+/// A lease under three times the store's timeout is valid but unwise: a
+/// renewal may take longer than what is left of it. `check` says so, by
+/// route, and still passes.
+#[test]
+fn check_warns_of_a_lease_a_slow_store_could_outlast() {
+    let path = temp_file(
+        "lease.toml",
+        "[upstream]\nurl = \"http://127.0.0.1:1\"\n[store]\ntimeout = \"1s\"\n\
+         [[route]]\nname = \"ok\"\npath = \"/ok\"\nlock_timeout = \"3s\"\n\
+         [[route]]\nname = \"short\"\npath = \"/short\"\nlock_timeout = \"2s\"\n",
+    );
+    let output = idemgate(&["check", "--config", path.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let warnings: Vec<_> = stdout.lines().filter(|l| l.starts_with("warning: ")).collect();
+    assert_eq!(warnings.len(), 1, "{stdout}");
+    assert!(
+        warnings[0].contains("route[1] short: lock_timeout 2s is under three times store.timeout (1s)"),
+        "{stdout}"
+    );
+}
+
 #[test]
 fn a_bad_config_exits_non_zero_before_binding_any_port() {
     let port = {

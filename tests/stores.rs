@@ -733,14 +733,15 @@ async fn runs_in_the_end(client: &TestClient, proxy: &Proxy, key: &str, meanwhil
     }
 }
 
-/// A claim the store answers only after a whole lease (a store timeout
-/// longer than `lock_timeout`) is refused, not forwarded: the lease may have
-/// run out on the way and another request may hold the key by now. It is
-/// released, so the retry runs.
+/// A claim the store answers only after half its lease (a store timeout
+/// longer than that) is refused, not forwarded: the lease may have run out
+/// on the way and another request may hold the key by now, or it would run
+/// out before a renewal as slow as the claim lands. It is released, so the
+/// retry runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_answered_after_its_lease_is_refused_and_released() {
-    // Writes stall for 1.5 s: the claim is answered after its 1 s lease.
-    let (_redis, upstream, proxy, client, _) = paused_after_one(Duration::from_secs(3), LEASE_1S, "1500").await;
+async fn a_claim_answered_after_half_its_lease_is_refused_and_released() {
+    // Writes stall for 0.7 s: the claim is answered after half its 1 s lease.
+    let (_redis, upstream, proxy, client, _) = paused_after_one(Duration::from_secs(3), LEASE_1S, "700").await;
     let late = client.post(&proxy.url("/v1/orders"), "late", "{}").await;
     assert_eq!(late.status, StatusCode::SERVICE_UNAVAILABLE, "{}", late.text());
     assert_eq!(late.problem(), "store-unavailable");

@@ -422,6 +422,29 @@ fn size(bytes: u64) -> String {
         )
 }
 
+/// What is valid but unwise in `config`, one line each: warned about at
+/// start, on a reload and by `idemgate check`.
+pub fn warnings(config: &Config) -> Vec<String> {
+    let d = |d: Duration| humantime::format_duration(d).to_string();
+    let store_timeout = config.store.timeout;
+    config
+        .routes
+        .iter()
+        .enumerate()
+        .filter(|(_, route)| route.policy.lock_timeout < store_timeout.saturating_mul(3))
+        .map(|(i, route)| {
+            format!(
+                "route[{i}] {}: lock_timeout {} is under three times store.timeout ({}): a renewal of \
+                 the lease, due every third of it, may take longer than what is left, and a second \
+                 request then reach the upstream",
+                route.name,
+                d(route.policy.lock_timeout),
+                d(store_timeout),
+            )
+        })
+        .collect()
+}
+
 /// The effective routes, one block each, as `idemgate check` prints them,
 /// in the config's own words.
 pub fn describe(config: &Config) -> String {

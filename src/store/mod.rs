@@ -552,9 +552,10 @@ impl StoreHandle {
     /// [`Store::claim`] within the store timeout. A call that fails leaves
     /// nothing behind: what the store may still have taken is released (a
     /// timed-out claim once the store answers it, in the background). A
-    /// claim answered only after a whole `lease` fails too (a timeout of
+    /// claim answered only after half its `lease` fails too (a timeout of
     /// the lease) and is released: its lease, counted from the sending, may
-    /// have run out on the way.
+    /// have run out on the way, or run out before a renewal as slow as the
+    /// claim lands.
     pub async fn claim(
         &self,
         key: &RecordKey,
@@ -572,10 +573,12 @@ impl StoreHandle {
         let mut claim = Box::pin(async move { store.claim(&key, &fingerprint, owner, lease, refresh_ttl).await });
         let result = self.deadline(claim.as_mut()).await;
         match result {
-            // Taken, but answered only after a whole lease (a deadline longer
-            // than the lease): the lease may have run out on the way and
-            // another request may hold the key now. A failure, released.
-            Ok(Claim::Claimed) if sent.elapsed() >= lease => {
+            // Taken, but answered only after half the lease (a deadline
+            // longer than that): the lease may have run out on the way, and
+            // another request may hold the key now; or it may run out
+            // before the first renewal, due at once and as slow, lands. A
+            // failure, released.
+            Ok(Claim::Claimed) if sent.elapsed() >= lease / 2 => {
                 self.release_in_background(key, owner);
                 return Err(StoreError::Timeout(lease));
             }
