@@ -137,7 +137,8 @@ const RELEASE: &str = "redis.call('DEL', KEYS[1])\nreturn 1\n";
 /// and TTL for each key in turn. Returns per key 1 (completed), 0 (not the
 /// owner's) or -1 (Redis refused the write: that key alone fails, as a
 /// script that stops half way would keep what it wrote). A replica's
-/// READONLY ends the call as an error, so the connection sees it and
+/// READONLY (before Redis 7, after a prefix) ends the call as an error, so
+/// the connection sees it and
 /// lets go of the server: a replica writes nothing, so nothing before it
 /// in the call was written either. One `MGET` reads
 /// them all: a call from Lua costs more than the read (redis-server's
@@ -151,7 +152,7 @@ const COMPLETE_MANY: &str = concat!(
     "  if v and string.byte(v, 2) == 0 and string.sub(v, 35, 50) == ARGV[a + 1] then\n",
     "    local set = redis.pcall('SET', KEYS[i], ARGV[a + 2], 'PX', ARGV[a + 3])\n",
     "    if type(set) == 'table' and set.err then\n",
-    "      if string.sub(set.err, 1, 8) == 'READONLY' then return set end\n",
+    "      if string.find(set.err, 'READONLY', 1, true) then return set end\n",
     "      done[i] = -1\n",
     "    else\n",
     "      if string.len(v) > 50 then redis.pcall('PUBLISH', '",
@@ -417,15 +418,14 @@ fn refuses_nx_get(error: &RedisError) -> bool {
 /// command was sent (our own connection's [`resp`] marks those it never
 /// wrote so) is `NotSent`. A server that does not know a command quotes
 /// its first arguments back (`..., with args beginning with: 'key' ...`):
-/// record keys, owner tokens, records; they are left out, as the error
-/// goes to the logs.
+/// record keys, owner tokens, records; they are left out
+/// ([`resp::unquoted`]), as the error goes to the logs.
 fn unavailable(e: RedisError) -> StoreError {
-    const QUOTED: &str = ", with args beginning with:";
     let not_sent = e.kind() == redis::ErrorKind::Client;
     let text = e.to_string();
-    let error: Box<dyn std::error::Error + Send + Sync> = match text.find(QUOTED) {
-        Some(at) => format!("{}{QUOTED} (left out)", &text[..at]).into(),
-        None => Box::new(e),
+    let error: Box<dyn std::error::Error + Send + Sync> = match resp::unquoted(&text) {
+        std::borrow::Cow::Owned(unquoted) => unquoted.into(),
+        std::borrow::Cow::Borrowed(_) => Box::new(e),
     };
     if not_sent {
         StoreError::NotSent(error)

@@ -505,7 +505,7 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, target: &Targe
     let Some(refusal) = refusal else {
         return Ok(());
     };
-    let mut detail = format!("Redis refused to set up the connection: {refusal}");
+    let mut detail = format!("Redis refused to set up the connection: {}", unquoted(&refusal));
     if let Some(password) = target.password.as_deref().filter(|p| !p.is_empty()) {
         detail = detail.replace(password, "<password>");
     }
@@ -513,6 +513,18 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, target: &Targe
         io::ErrorKind::ConnectionRefused,
         detail,
     )))
+}
+
+/// `text` without the arguments a server that does not know a command
+/// quotes back (`..., with args beginning with: 'key' ...`): record keys,
+/// owner tokens, records, a password. Each is cut at 128 bytes and its
+/// line breaks made spaces, so none could be found whole and masked.
+pub(super) fn unquoted(text: &str) -> std::borrow::Cow<'_, str> {
+    const QUOTED: &str = ", with args beginning with:";
+    match text.find(QUOTED) {
+        Some(at) => format!("{}{QUOTED} (left out)", &text[..at]).into(),
+        None => text.into(),
+    }
 }
 
 /// Sends `commands` and reads their answers; returns the first error
@@ -652,14 +664,21 @@ async fn read<R: AsyncRead + Unpin>(ends: EndsWith, mut source: R) {
 const DEMOTED_WAIT: Duration = Duration::from_secs(1);
 
 /// Whether `answer` is, or holds (a script's `pcall` results), a READONLY
-/// error.
+/// error: its own, or, before Redis 7, inside the error of a script whose
+/// write it stopped (`ERR Error running script ...: -READONLY ...`).
 fn read_only(answer: &Value) -> bool {
     match answer {
-        Value::ServerError(error) => error.kind() == Some(redis::ServerErrorKind::ReadOnly),
+        Value::ServerError(error) => {
+            error.kind() == Some(redis::ServerErrorKind::ReadOnly)
+                || error.details().is_some_and(|d| d.contains(READ_ONLY_REPLICA))
+        }
         Value::Array(items) => items.iter().any(read_only),
         _ => false,
     }
 }
+
+/// What a read-only replica says to a write, in every version.
+const READ_ONLY_REPLICA: &str = "READONLY You can't write against a read only replica";
 
 /// How deep answers nest: the store's scripts answer with at most a list
 /// of plain values.
@@ -972,18 +991,24 @@ mod tests {
         (connection, answer, peer)
     }
 
-    /// A server that knows no `AUTH` quotes its arguments back; the error
-    /// names the refusal and never the password.
+    /// A server that knows no `AUTH` quotes its arguments back, whole or
+    /// cut short (Redis cuts each at 128 bytes); the error names the
+    /// refusal and never the password, nor any part of it.
     #[tokio::test]
     async fn a_refused_greeting_never_repeats_the_password() {
-        let (_connection, answer, mut peer) = ping_logging_in(":hunter2@", 0).await;
-        receive(&mut peer, &redis::cmd("AUTH").arg("hunter2").get_packed_command()).await;
-        peer.write_all(b"-ERR unknown command 'AUTH', with args beginning with: 'hunter2' \r\n")
-            .await
-            .unwrap();
-        let error = answer.await.unwrap().unwrap_err().to_string();
-        assert!(error.contains("unknown command 'AUTH'"), "{error}");
-        assert!(!error.contains("hunter2"), "{error}");
+        for quoted in ["'hunter2hunter2' ", "'hunter2hun'"] {
+            let (_connection, answer, mut peer) = ping_logging_in(":hunter2hunter2@", 0).await;
+            receive(
+                &mut peer,
+                &redis::cmd("AUTH").arg("hunter2hunter2").get_packed_command(),
+            )
+            .await;
+            let refusal = format!("-ERR unknown command 'AUTH', with args beginning with: {quoted}\r\n");
+            peer.write_all(refusal.as_bytes()).await.unwrap();
+            let error = answer.await.unwrap().unwrap_err().to_string();
+            assert!(error.contains("unknown command 'AUTH'"), "{error}");
+            assert!(!error.contains("hunter2"), "{error}");
+        }
     }
 
     /// A server before Redis 6 knows `AUTH password` only: a URL naming a
@@ -1013,6 +1038,24 @@ mod tests {
         assert_eq!(error.kind(), ErrorKind::Server(redis::ServerErrorKind::NoScript));
         let value = whole(b"*2\r\n:1\r\n-ERR invalid expire time\r\n");
         assert!(value.extract_error().is_err());
+    }
+
+    /// A replica's refusal of a write is seen as such on its own, in a
+    /// script's list of results, and inside the error of a script it
+    /// stopped, as Redis before 7 words that.
+    #[test]
+    fn a_read_only_replica_is_told_in_every_wording() {
+        for wire in [
+            &b"-READONLY You can't write against a read only replica.\r\n"[..],
+            b"*2\r\n:1\r\n-READONLY You can't write against a read only replica.\r\n",
+            b"-ERR Error running script (call to f_3f1c): @user_script:2: @user_script: 2: \
+              -READONLY You can't write against a read only replica.\r\n",
+        ] {
+            assert!(read_only(&whole(wire)), "{}", String::from_utf8_lossy(wire));
+        }
+        for wire in [&b"-ERR invalid expire time\r\n"[..], b"+READONLY\r\n", b":1\r\n"] {
+            assert!(!read_only(&whole(wire)), "{}", String::from_utf8_lossy(wire));
+        }
     }
 
     #[test]
