@@ -798,6 +798,77 @@ async fn an_unreadable_record_is_refused_even_when_store_errors_pass() {
     assert_eq!(client.post(&proxy.url("/v1/orders"), "k2", "{}").await.status, 201);
 }
 
+/// A Redis user the ACL denies scripts could claim (`SET NX GET`) but never
+/// complete, renew or release: a request would run, and its retry run it
+/// again once the lease ran out. The store is not ready, and takes no
+/// claim, until scripts are granted.
+#[tokio::test]
+async fn a_redis_user_denied_scripts_takes_no_claim() {
+    use idemgate::store::{Claim, Fingerprint, Outcome, Owner, RecordKey};
+    let redis = RedisServer::start();
+    redis
+        .cli(&["acl", "setuser", "gate", "on", ">pw", "~*", "+@all", "-@scripting"])
+        .expect("the user is made");
+    let store = redis_store(&redis.url().replace("redis://", "redis://gate:pw@"));
+    let (key, fp, lease) = (RecordKey([8; 32]), Fingerprint([1; 32]), Duration::from_secs(30));
+    assert!(store.ping().await.is_err(), "ready without scripts");
+    assert!(store.claim(&key, &fp, Owner::new(), lease, None).await.is_err());
+    assert_eq!(
+        redis
+            .cli(&["exists", &format!("idemgate:{{{}}}", hex(&key.0))])
+            .unwrap()
+            .trim(),
+        "0"
+    );
+
+    // Scripts, but not a command they call: the ACL checks those too.
+    redis
+        .cli(&["acl", "setuser", "gate", "+@scripting", "-pexpire"])
+        .expect("granted");
+    assert!(store.ping().await.is_err(), "ready without PEXPIRE");
+
+    // The README's user, with no more than it names: all works.
+    let readme = [
+        "acl",
+        "setuser",
+        "least",
+        "on",
+        ">pw",
+        "~idemgate:*",
+        "&idemgate:done",
+        "+set",
+        "+get",
+        "+mget",
+        "+del",
+        "+append",
+        "+pexpire",
+        "+pttl",
+        "+publish",
+        "+evalsha",
+        "+eval",
+        "+subscribe",
+    ];
+    redis.cli(&readme).expect("the user is made");
+    let store = redis_store(&redis.url().replace("redis://", "redis://least:pw@"));
+    store.ping().await.expect("ready");
+    let owner = Owner::new();
+    assert_eq!(
+        store.claim(&key, &fp, owner, lease, None).await.unwrap(),
+        Claim::Claimed
+    );
+    assert!(store.renew(&key, owner, lease).await.unwrap());
+    let done = store.complete(&key, &fp, owner, Outcome::NotReplayable, lease).await;
+    assert!(matches!(done, Ok(true)), "{done:?}");
+    let replay = store.claim(&key, &fp, Owner::new(), lease, Some(lease)).await.unwrap();
+    assert!(matches!(replay, Claim::Completed { .. }), "{replay:?}");
+    assert!(store.purge(&key).await.unwrap());
+}
+
+/// `bytes` in lower-case hex.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// A Redis user the ACL denies the completion channel (Redis 7's default
 /// for new users) still completes a record a waiter marked: the
 /// announcement is best effort, the write is not.

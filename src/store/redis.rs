@@ -177,6 +177,20 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 ";
 
+/// The readiness probe: a write, as a claim is, by a script calling what
+/// the scripts call (the ACL checks each command a script calls), as
+/// completions are.
+const PING: &str = r"
+redis.call('SET', KEYS[1], '1', 'PX', 10000)
+redis.call('APPEND', KEYS[1], 'w')
+redis.call('PEXPIRE', KEYS[1], 10000)
+redis.call('MGET', KEYS[1])
+redis.call('GET', KEYS[1])
+redis.call('PTTL', KEYS[1])
+redis.call('DEL', KEYS[1])
+return 1
+";
+
 const PEEK: &str = r"
 local v = redis.call('GET', KEYS[1])
 if not v then return false end
@@ -227,6 +241,7 @@ struct Scripts {
     peek: Lua,
     watch: Lua,
     purge: Lua,
+    ping: Lua,
 }
 
 impl Scripts {
@@ -240,6 +255,7 @@ impl Scripts {
             peek: Lua::new(PEEK),
             watch: Lua::new(WATCH),
             purge: Lua::new(&format!("{PURGE}{ANNOUNCE}return 1\n")),
+            ping: Lua::new(PING),
         }
     }
 }
@@ -342,6 +358,12 @@ pub struct RedisStore {
     listening: Arc<AtomicBool>,
     /// Whether the server takes `SET ... NX ... GET` (Redis 7 and later).
     native_claim: AtomicBool,
+    /// Whether the last script ran: a user the ACL denies scripts (no
+    /// `EVALSHA`/`EVAL`) could claim natively but never complete, renew or
+    /// release, and a retry would run the request again once the lease
+    /// ran out. Until a script has run, and after one is refused, claims go
+    /// by script too, and fail.
+    scripts_run: AtomicBool,
     /// Completions waiting to go to Redis together, per thread (one Redis
     /// server only; see [`RedisStore::complete`]).
     batches: Option<PerThread<Arc<Mutex<Vec<Completion>>>>>,
@@ -530,6 +552,7 @@ impl RedisStore {
             waiters,
             listening,
             native_claim: AtomicBool::new(true),
+            scripts_run: AtomicBool::new(false),
             batches,
             batching: AtomicBool::new(true),
             _subscriber: AbortOnDrop(subscriber),
@@ -571,9 +594,33 @@ impl RedisStore {
         args: &[&[u8]],
     ) -> Result<T, StoreError> {
         let mut connection = self.connection().await?;
-        Self::eval_with(&mut connection, script, keys, args)
-            .await
-            .map_err(unavailable)
+        let result = Self::eval_with(&mut connection, script, keys, args).await;
+        self.note_scripts(result.as_ref().err());
+        result.map_err(unavailable)
+    }
+
+    /// Notes whether a script ran, from its call's `error`; a refusal by
+    /// the ACL is logged, throttled.
+    fn note_scripts(&self, error: Option<&RedisError>) {
+        // Refused the script itself, or a command it calls.
+        let denied = error.is_some_and(|e| {
+            e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm)
+                || e.detail().is_some_and(|d| d.contains("can't run this command"))
+        });
+        if denied {
+            crate::telemetry::warn_throttled!(
+                error.expect("a refusal is an error"),
+                "this Redis user may not run idemgate's scripts: no claim is taken, as its record \
+                 could never be completed; grant it EVALSHA, EVAL and the commands they call (see the \
+                 README)",
+                store = "redis"
+            );
+        }
+        // Written only when it changes: both workers read it on every
+        // claim, and a write would pull its cache line from core to core.
+        if (denied || error.is_none()) && self.scripts_run.load(Ordering::Relaxed) == denied {
+            self.scripts_run.store(!denied, Ordering::Relaxed);
+        }
     }
 
     /// [`RedisStore::eval_on`] on `connection`, with Redis's own error.
@@ -690,6 +737,7 @@ impl RedisStore {
                 .collect();
             Self::eval_with(&mut connection, &self.scripts.complete_many, &keys, &args).await
         };
+        self.note_scripts(result.as_ref().err());
         match result {
             // A node in cluster mode (one shard, behind `url`) takes each
             // record but no script on keys of several slots; nothing was
@@ -754,7 +802,8 @@ impl Store for RedisStore {
         refresh_ttl: Option<Duration>,
     ) -> Result<Claim, StoreError> {
         let claim = codec::in_flight(fingerprint, owner);
-        let found = if refresh_ttl.is_none() && self.native_claim.load(Ordering::Relaxed) {
+        let native = self.native_claim.load(Ordering::Relaxed) && self.scripts_run.load(Ordering::Relaxed);
+        let found = if refresh_ttl.is_none() && native {
             self.claim_natively(key, &claim, ms(lease)).await?
         } else {
             // A replay that refreshes the TTL must do it in the same step.
@@ -874,15 +923,13 @@ impl Store for RedisStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         // A write, as a claim is: a server that answers but is a replica
-        // (after a failover), or out of memory, takes no claim.
+        // (after a failover), or out of memory, takes no claim; by a
+        // script, as completions are: a user the ACL denies scripts could
+        // complete nothing.
         let probe = || async {
-            let mut command = redis::cmd("SET");
-            command.arg("idemgate:{ping}").arg(1).arg("PX").arg(10_000);
-            self.connection()
-                .await?
-                .query::<()>(&command)
+            self.eval::<i64>(&self.scripts.ping, b"idemgate:{ping}", &[])
                 .await
-                .map_err(unavailable)
+                .map(drop)
         };
         // A connection that broke while Redis was away fails its first
         // command and reconnects: ask twice before calling Redis down.
