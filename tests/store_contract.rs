@@ -241,6 +241,27 @@ pub async fn an_owner_whose_lease_ran_out_cannot_touch_its_successor(store: Arc<
     );
 }
 
+/// A lease that ran out (a store that stalled past it) with nobody
+/// claiming the key since: the completion still lands, so the answer the
+/// client got is kept and its retry replays it rather than run again.
+pub async fn a_completion_after_its_lease_ran_out_keeps_the_answer(store: Arc<dyn Store>) {
+    let k = key();
+    let owner = Owner::new();
+    store
+        .claim(&k, &A, owner, Duration::from_millis(200), None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    assert!(store.complete(&k, &A, owner, response("kept"), LONG).await.unwrap());
+    assert_eq!(
+        store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap(),
+        Claim::Completed {
+            fingerprint: A,
+            outcome: response("kept")
+        }
+    );
+}
+
 pub async fn renewal_keeps_a_claim_past_its_first_lease(store: Arc<dyn Store>) {
     let k = key();
     let owner = Owner::new();
@@ -434,10 +455,13 @@ async fn operations_agree_with_a_model(
             2 => {
                 let outcome = outcomes[next(outcomes.len())].clone();
                 let got = store.complete(k, &fp, owner, outcome.clone(), LONG).await.unwrap();
-                if mine {
+                // Where no record is left (a lease that ran out, a purged
+                // claim), the answer is kept too.
+                let writes = mine || held.is_none();
+                if writes {
                     model[at] = Some(Model::Completed(who, outcome));
                 }
-                assert_eq!(got, mine, "step {step}: completion of {at} by {who}, held {held:?}");
+                assert_eq!(got, writes, "step {step}: completion of {at} by {who}, held {held:?}");
             }
             3 => {
                 let got = store.release(k, owner).await.unwrap();
@@ -498,6 +522,7 @@ macro_rules! contract {
             case!(a_claim_that_finds_its_own_claim_is_claimed);
             case!(release_frees_the_key_for_its_owner_only);
             case!(an_owner_whose_lease_ran_out_cannot_touch_its_successor);
+            case!(a_completion_after_its_lease_ran_out_keeps_the_answer);
             case!(renewal_keeps_a_claim_past_its_first_lease);
             case!(waiters_wake_on_completion_and_release);
             case!(waiting_is_bounded_and_immediate_when_nothing_is_in_flight);
@@ -728,20 +753,20 @@ async fn redis_completions_made_together_go_in_one_call_each_owner_checked() {
     for (i, done) in done.into_iter().enumerate() {
         assert_eq!(done.unwrap(), i % 2 == 0, "completion {i}");
     }
-    // A key nobody claimed (its lease ran out and it went), in a batch
-    // with one owned: refused, and not written.
+    // A key whose claim is gone (its lease ran out) and nobody claimed
+    // since, in a batch with one owned: the answer is kept there too.
     let (gone, owned) = (key(), Owner::new());
     let last = (key(), Owner::new());
     store.claim(&last.0, &A, last.1, LONG, None).await.unwrap();
-    let (refused, done) = tokio::join!(
+    let (kept, done) = tokio::join!(
         store.complete(&gone, &A, owned, response("x"), LONG),
         store.complete(&last.0, &A, last.1, response("x"), LONG),
     );
-    assert!(!refused.unwrap());
+    assert!(kept.unwrap());
     assert!(done.unwrap());
     assert!(matches!(
         store.claim(&gone, &A, Owner::new(), LONG, None).await.unwrap(),
-        Claim::Claimed
+        Claim::Completed { .. }
     ));
     let stats = server.cli(&["info", "commandstats"]).unwrap();
     let field = |command: &str, name: &str| -> u64 {

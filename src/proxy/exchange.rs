@@ -338,8 +338,10 @@ impl Drop for ClaimGuard {
 }
 
 /// Completes a record whose completion failed (the store did not answer):
-/// renews the claim and retries, backing off, until the store takes it, the
-/// claim turns out lost, or `ttl` has passed. Retries meanwhile get 409.
+/// renews the claim and retries, backing off, until the store takes it,
+/// another request turns out to hold the key, or `ttl` has passed. Retries
+/// meanwhile get 409. A lease that ran out meanwhile is no reason to stop:
+/// the completion still lands where nobody has claimed the key since.
 async fn retry_completion(
     store: StoreHandle,
     key: RecordKey,
@@ -355,10 +357,7 @@ async fn retry_completion(
     loop {
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(longest);
-        if let Ok(false) = store.renew(&key, owner, lease).await {
-            lost(&store, &key, &fingerprint, &outcome).await;
-            return;
-        }
+        let _ = store.renew(&key, owner, lease).await;
         match store.complete(&key, &fingerprint, owner, outcome.clone(), ttl).await {
             Ok(true) => return tracing::info!(key = %key.tag(), "record completed on a retry"),
             Ok(false) => {
@@ -373,11 +372,12 @@ async fn retry_completion(
     }
 }
 
-/// Logs why a completion found no claim of ours, and returns whether the
-/// record holds this answer anyway. Usually the lease ran out and another
-/// request took the key; but a completion that reached the store and was
-/// then sent again (its answer lost with a dropped connection, as a Redis
-/// Cluster client resends) finds the record it completed itself. A record
+/// Logs why a completion found another's claim or record, and returns
+/// whether the record holds this answer anyway. Usually the lease ran out
+/// and another request took the key; but a completion that reached the
+/// store and was then sent again (its answer lost with a dropped
+/// connection, as a Redis Cluster client resends) finds the record it
+/// completed itself. A record
 /// keeps no owner, so a retry's identical answer looks the same: both
 /// cases stay warnings, each named for what the store holds.
 async fn lost(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, outcome: &Outcome) -> bool {
@@ -393,7 +393,7 @@ async fn lost(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, o
              or a retry's identical one"
         );
     } else {
-        tracing::warn!(key = %key.tag(), "lease lost: the record was not completed");
+        tracing::warn!(key = %key.tag(), "lease lost to another request: this answer was not recorded");
     }
     landed
 }

@@ -192,6 +192,8 @@ enum Op {
     },
     Complete {
         key: RecordKey,
+        /// The claim's, for a record written where none is left.
+        fingerprint: Fingerprint,
         owner: Owner,
         outcome: Outcome,
         ttl: u64,
@@ -599,14 +601,15 @@ impl Store for EmbeddedStore {
     async fn complete(
         &self,
         key: &RecordKey,
-        _fingerprint: &Fingerprint,
+        fingerprint: &Fingerprint,
         owner: Owner,
         outcome: Outcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let key = *key;
+        let (key, fingerprint) = (*key, *fingerprint);
         self.send(|reply| Op::Complete {
             key,
+            fingerprint,
             owner,
             outcome,
             ttl: ms(ttl),
@@ -1152,6 +1155,12 @@ fn copy_error(error: &StoreError) -> StoreError {
     StoreError::Unavailable(error.to_string().into())
 }
 
+/// Whether `stored` is a claim held by `owner`.
+fn held_by(stored: &Stored, owner: Owner) -> bool {
+    stored.record.get(1) == Some(&codec::IN_FLIGHT)
+        && stored.record.get(codec::PREFIX..codec::PREFIX + 16) == Some(&codec::owner_bytes(owner)[..])
+}
+
 /// One batch being decided: its own changes first, then the store's.
 struct Batch<'a> {
     /// The log segment the batch goes to, and the checksum its next entry
@@ -1196,10 +1205,7 @@ impl Batch<'_> {
 
     /// The live in-flight record of `key` if `owner` holds it.
     fn owned(&self, key: &RecordKey, owner: Owner) -> Result<Option<Stored>, StoreError> {
-        Ok(self.live(key)?.filter(|s| {
-            s.record.get(1) == Some(&codec::IN_FLIGHT)
-                && s.record.get(codec::PREFIX..codec::PREFIX + 16) == Some(&codec::owner_bytes(owner)[..])
-        }))
+        Ok(self.live(key)?.filter(|s| held_by(s, owner)))
     }
 
     fn apply(&mut self, op: Op) -> Pending {
@@ -1224,19 +1230,24 @@ impl Batch<'_> {
             }
             Op::Complete {
                 key,
+                fingerprint,
                 owner,
                 outcome,
                 ttl,
                 reply,
             } => {
-                let result = self.owned(&key, owner).and_then(|held| match held {
-                    None => Ok(false),
-                    Some(held) => {
-                        let fingerprint = codec::fingerprint_of(&held.record)?;
-                        let record = codec::completed(&fingerprint, &outcome);
-                        self.put(&key, self.stamp.saturating_add(ttl), record.into());
-                        Ok(true)
-                    }
+                let result = self.live(&key).and_then(|found| {
+                    let fingerprint = match found {
+                        Some(held) if held_by(&held, owner) => codec::fingerprint_of(&held.record)?,
+                        Some(_) => return Ok(false),
+                        // No live record: the lease ran out, or the claim
+                        // was purged, and nobody has claimed the key since.
+                        // The answer is kept.
+                        None => fingerprint,
+                    };
+                    let record = codec::completed(&fingerprint, &outcome);
+                    self.put(&key, self.stamp.saturating_add(ttl), record.into());
+                    Ok(true)
                 });
                 Pending::Flag(reply, result, Some(key))
             }

@@ -418,23 +418,51 @@ impl MemoryStore {
     }
 
     /// [`Store::complete`], answered at once.
-    pub fn complete_now(&self, key: &RecordKey, owner: Owner, outcome: Outcome, ttl: Duration) -> bool {
+    pub fn complete_now(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: Owner,
+        outcome: Outcome,
+        ttl: Duration,
+    ) -> bool {
         let now = coarse_now();
         let (size, due) = (outcome_size(&outcome), Due::of(&outcome));
-        let mut shard = self.shard(key);
-        let Some((entry, deadlines)) = shard.owned(key, owner, now) else {
-            return false;
-        };
-        let previous = std::mem::replace(&mut entry.state, State::Done { outcome, size });
-        if let State::InFlight { done: Some(done), .. } = previous {
-            done.notify_waiters();
+        let mut guard = self.shard(key);
+        let shard = &mut *guard;
+        match shard.entries.entry(*key) {
+            Slot::Occupied(slot) if slot.get().deadline.0 > now => {
+                let entry = slot.into_mut();
+                if !matches!(entry.state, State::InFlight { owner: held, .. } if held == owner) {
+                    return false;
+                }
+                let previous = std::mem::replace(&mut entry.state, State::Done { outcome, size });
+                if let State::InFlight { done: Some(done), .. } = previous {
+                    done.notify_waiters();
+                }
+                entry.deadline = shard.deadlines.queue(key, now, ttl, due);
+            }
+            // No live record: the lease ran out, or the claim was purged,
+            // and nobody has claimed the key since. The answer is kept.
+            slot => {
+                let done = Entry {
+                    fingerprint: *fingerprint,
+                    deadline: shard.deadlines.queue(key, now, ttl, due),
+                    state: State::Done { outcome, size },
+                };
+                match slot {
+                    Slot::Occupied(mut expired) => forget(&mut shard.bytes, &expired.insert(done)),
+                    Slot::Vacant(slot) => {
+                        slot.insert(done);
+                    }
+                }
+            }
         }
-        entry.deadline = deadlines.queue(key, now, ttl, due);
         shard.bytes += size;
         let budget = self.shared.budget_per_shard;
         let mut evicted = Vec::new();
         shard.evict_to(budget, key, &mut evicted);
-        drop(shard);
+        drop(guard);
         drop_evicted(evicted);
         true
     }
@@ -456,12 +484,12 @@ impl Store for MemoryStore {
     async fn complete(
         &self,
         key: &RecordKey,
-        _fingerprint: &Fingerprint,
+        fingerprint: &Fingerprint,
         owner: Owner,
         outcome: Outcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        Ok(self.complete_now(key, owner, outcome, ttl))
+        Ok(self.complete_now(key, fingerprint, owner, outcome, ttl))
     }
 
     async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {

@@ -421,11 +421,15 @@ pub trait Store: Send + Sync + 'static {
         refresh_ttl: Option<Duration>,
     ) -> Result<Claim, StoreError>;
 
-    /// Turns `owner`'s claim into a completed record kept for `ttl`.
-    /// Returns false (and changes nothing) when `owner` no longer holds it.
-    /// Callers pass the `fingerprint` `owner` claimed with: the Redis store
-    /// writes it into the record as given (sparing the script a read and
-    /// a splice); the others keep the claim's own and ignore it.
+    /// Turns `owner`'s claim into a completed record kept for `ttl`; also
+    /// writes it where the key holds no record (the lease ran out, say
+    /// while the store stalled, or the claim was purged, and nobody has
+    /// claimed the key since), so the answer the client got is kept and a
+    /// retry replays it. Returns false (and changes nothing) when another
+    /// request holds the key, or its record. Callers pass the
+    /// `fingerprint` `owner` claimed with: written into a record made where
+    /// none was, and by the Redis store always (sparing the script a read
+    /// and a splice); the others keep the claim's own.
     async fn complete(
         &self,
         key: &RecordKey,
@@ -644,7 +648,7 @@ impl StoreHandle {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         if let Some(memory) = &self.memory {
-            return Ok(memory.complete_now(key, owner, outcome, ttl));
+            return Ok(memory.complete_now(key, fingerprint, owner, outcome, ttl));
         }
         self.deadline(self.store.complete(key, fingerprint, owner, outcome, ttl))
             .await

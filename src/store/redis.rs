@@ -120,10 +120,19 @@ if not v or string.byte(v, 2) ~= 0 or string.sub(v, 35, 50) ~= ARGV[1] then retu
 /// default for new users) must still complete and release; its waiters
 /// then see the change at their next look.
 const ANNOUNCE: &str = concat!(
-    "if string.len(v) > 50 then redis.pcall('PUBLISH', '",
+    "if v and string.len(v) > 50 then redis.pcall('PUBLISH', '",
     channel!(),
     "', KEYS[1]) end\n"
 );
+
+/// [`OWNED`] for a completion, which also lands on a key that holds no
+/// record: its lease ran out (a store that stalled), or its claim was
+/// purged, and nobody has claimed it since. The answer the client got is
+/// kept, and a retry replays it instead of running again.
+const OURS_OR_NONE: &str = r"
+local v = redis.call('GET', KEYS[1])
+if v and (string.byte(v, 2) ~= 0 or string.sub(v, 35, 50) ~= ARGV[1]) then return nil end
+";
 
 const COMPLETE: &str = r"
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
@@ -133,9 +142,9 @@ return 1
 const RELEASE: &str = "redis.call('DEL', KEYS[1])\nreturn 1\n";
 
 /// COMPLETE for many records at once (one Redis server only: the keys span
-/// slots), each owner-checked on its own: ARGV holds owner token, record
-/// and TTL for each key in turn. Returns per key 1 (completed), 0 (not the
-/// owner's) or -1 (Redis refused the write: that key alone fails, as a
+/// slots), each owner-checked on its own as by [`OURS_OR_NONE`]: ARGV holds
+/// owner token, record and TTL for each key in turn. Returns per key 1
+/// (completed), 0 (another's) or -1 (Redis refused the write: that key alone fails, as a
 /// script that stops half way would keep what it wrote). A replica's
 /// READONLY (before Redis 7, after a prefix) ends the call as an error, so
 /// the connection sees it and
@@ -149,13 +158,13 @@ const COMPLETE_MANY: &str = concat!(
     "for i = 1, #KEYS do\n",
     "  local a = (i - 1) * 3\n",
     "  local v = found[i]\n",
-    "  if v and string.byte(v, 2) == 0 and string.sub(v, 35, 50) == ARGV[a + 1] then\n",
+    "  if not v or (string.byte(v, 2) == 0 and string.sub(v, 35, 50) == ARGV[a + 1]) then\n",
     "    local set = redis.pcall('SET', KEYS[i], ARGV[a + 2], 'PX', ARGV[a + 3])\n",
     "    if type(set) == 'table' and set.err then\n",
     "      if string.find(set.err, 'READONLY', 1, true) then return set end\n",
     "      done[i] = -1\n",
     "    else\n",
-    "      if string.len(v) > 50 then redis.pcall('PUBLISH', '",
+    "      if v and string.len(v) > 50 then redis.pcall('PUBLISH', '",
     channel!(),
     "', KEYS[i]) end\n",
     "      done[i] = 1\n",
@@ -248,7 +257,7 @@ impl Scripts {
     fn new() -> Scripts {
         Scripts {
             claim: Lua::new(CLAIM),
-            complete: Lua::new(&format!("{OWNED}{ANNOUNCE}{COMPLETE}")),
+            complete: Lua::new(&format!("{OURS_OR_NONE}{ANNOUNCE}{COMPLETE}")),
             complete_many: Lua::new(COMPLETE_MANY),
             release: Lua::new(&format!("{OWNED}{ANNOUNCE}{RELEASE}")),
             renew: Lua::new(&format!("{OWNED}{RENEW}")),
