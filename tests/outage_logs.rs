@@ -53,6 +53,16 @@ async fn a_store_outage_logs_a_line_a_second_not_one_a_request() {
     let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
     assert!(!text.contains("releasing an abandoned claim failed"), "{text}");
     assert_eq!(upstream.hits(), 0);
+    // Redis is down, not refusing the channel: no ACL is blamed.
+    let subscribe: Vec<_> = text
+        .lines()
+        .filter(|l| l.contains("cannot subscribe") && l.contains("Connection refused"))
+        .collect();
+    assert!(!subscribe.is_empty(), "{text}");
+    assert!(
+        subscribe.iter().all(|l| !l.contains("needs the channel")),
+        "{subscribe:?}"
+    );
 }
 
 /// Redis going away under requests that last renews none of their leases:

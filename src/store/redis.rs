@@ -1044,10 +1044,18 @@ async fn listen(nodes: Vec<redis::Client>, waiters: Arc<Waiters>, listening: Arc
             Err(error) => {
                 if !warned {
                     warned = true;
+                    // The channel's permission is named only when it is
+                    // what is missing, not when Redis is down.
+                    let hint = match error.kind() {
+                        redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) => {
+                            concat!(" (a Redis user needs the channel: `&", channel!(), "`)")
+                        }
+                        _ => "",
+                    };
                     tracing::warn!(
                         error = %error_chain(&unavailable(error)),
                         "cannot subscribe to Redis completions on channel {CHANNEL}; waiting requests \
-                         re-check twice a second until it can (a Redis user needs the channel: `&{CHANNEL}`)"
+                         re-check twice a second until it can{hint}"
                     );
                 }
                 pause = (pause * 2).min(SUBSCRIBE_BACKOFF);
