@@ -789,6 +789,21 @@ async fn redis_completions_made_together_go_in_one_call_each_owner_checked() {
             Claim::Claimed => panic!("{i}: the claim was lost"),
         }
     }
+    // Two completions of one key with no record in one call: as one after
+    // the other, the second finds the first's record.
+    let twice = key();
+    let (first, second) = tokio::join!(
+        store.complete(&twice, &A, Owner::new(), response("first"), LONG),
+        store.complete(&twice, &B, Owner::new(), response("second"), LONG),
+    );
+    assert_eq!((first.unwrap(), second.unwrap()), (true, false));
+    assert_eq!(
+        store.claim(&twice, &A, Owner::new(), LONG, None).await.unwrap(),
+        Claim::Completed {
+            fingerprint: A,
+            outcome: response("first")
+        }
+    );
 }
 
 /// A one-shard cluster behind `url` refuses a script on keys of several

@@ -142,9 +142,10 @@ return 1
 const RELEASE: &str = "redis.call('DEL', KEYS[1])\nreturn 1\n";
 
 /// COMPLETE for many records at once (one Redis server only: the keys span
-/// slots), each owner-checked on its own as by [`OURS_OR_NONE`]: ARGV holds
-/// owner token, record and TTL for each key in turn. Returns per key 1
-/// (completed), 0 (another's) or -1 (Redis refused the write: that key alone fails, as a
+/// slots), each owner-checked on its own as by [`OURS_OR_NONE`], as if one
+/// after the other (a key completed earlier in the call is another's):
+/// ARGV holds owner token, record and TTL for each key in turn. Returns
+/// per key 1 (completed), 0 (another's) or -1 (Redis refused the write: that key alone fails, as a
 /// script that stops half way would keep what it wrote). A replica's
 /// READONLY (before Redis 7, after a prefix) ends the call as an error, so
 /// the connection sees it and
@@ -154,11 +155,13 @@ const RELEASE: &str = "redis.call('DEL', KEYS[1])\nreturn 1\n";
 /// instructions per record, batches of nine: -1.7k against a `GET` each).
 const COMPLETE_MANY: &str = concat!(
     "local found = redis.call('MGET', unpack(KEYS))\n",
-    "local done = {}\n",
+    "local done, written = {}, {}\n",
     "for i = 1, #KEYS do\n",
     "  local a = (i - 1) * 3\n",
     "  local v = found[i]\n",
-    "  if not v or (string.byte(v, 2) == 0 and string.sub(v, 35, 50) == ARGV[a + 1]) then\n",
+    "  if written[KEYS[i]] then\n",
+    "    done[i] = 0\n",
+    "  elseif not v or (string.byte(v, 2) == 0 and string.sub(v, 35, 50) == ARGV[a + 1]) then\n",
     "    local set = redis.pcall('SET', KEYS[i], ARGV[a + 2], 'PX', ARGV[a + 3])\n",
     "    if type(set) == 'table' and set.err then\n",
     "      if string.find(set.err, 'READONLY', 1, true) then return set end\n",
@@ -167,6 +170,7 @@ const COMPLETE_MANY: &str = concat!(
     "      if v and string.len(v) > 50 then redis.pcall('PUBLISH', '",
     channel!(),
     "', KEYS[i]) end\n",
+    "      written[KEYS[i]] = true\n",
     "      done[i] = 1\n",
     "    end\n",
     "  else\n",
