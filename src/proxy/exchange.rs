@@ -240,14 +240,14 @@ impl ClaimGuard {
         .await
     }
 
-    fn settle(&mut self) {
+    /// Stops the renewal and marks the claim settled; false if a shutdown
+    /// has taken it to record as unknown (see [`SentClaims`]).
+    fn settle(&mut self) -> bool {
         if let Some(renewal) = self.renewal.take() {
             renewal.abort();
         }
-        if self.unknown_for.take().is_some() {
-            self.context.sent.remove(self.owner);
-        }
         self.settled = true;
+        self.unknown_for.take().is_none() || self.context.sent.remove(self.owner)
     }
 
     async fn complete(mut self, outcome: Outcome, ttl: Duration) {
@@ -294,7 +294,14 @@ impl ClaimGuard {
     }
 
     async fn release(mut self) {
-        self.settle();
+        // A shutdown is recording the claim as unknown: released now, the
+        // record it writes would land on an empty key, as an unknown
+        // outcome for a request the head said may run again; kept, the
+        // claim ends as a shutdown leaves every request that may have been
+        // sent.
+        if !self.settle() {
+            return;
+        }
         if let Err(error) = self.context.store.release(&self.key, self.owner).await {
             tracing::warn!(key = %self.key.tag(), error = %error_chain(&error), "releasing the claim failed; its lease will run out");
         }
@@ -835,12 +842,9 @@ mod tests {
         assert!(declared.over_limit && declared.body.capacity() == 0);
     }
 
-    /// A guard dropped unsettled (its exchange panicked) releases the claim
-    /// before the request may have gone, and after it on a route with
-    /// `on_upstream_failure = "release"`; on one with `"unknown"` it records
-    /// the outcome as unknown, so a retry cannot run the request again.
-    #[tokio::test]
-    async fn a_guard_dropped_unsettled_settles_as_an_upstream_failure_would() {
+    /// Two routes, "release" and "unknown" after `on_upstream_failure`, and
+    /// an exchange's context on a memory store.
+    fn routes_and_context() -> (crate::config::Config, StoreHandle, Arc<Context>) {
         let config = crate::config::Config::parse(
             "[upstream]\nurl = \"http://127.0.0.1:9\"\n\
              [[route]]\nname = \"release\"\npath = \"/a\"\n\
@@ -856,6 +860,16 @@ mod tests {
             exchanges: TaskTracker::new(),
             sent: SentClaims::default(),
         });
+        (config, store, context)
+    }
+
+    /// A guard dropped unsettled (its exchange panicked) releases the claim
+    /// before the request may have gone, and after it on a route with
+    /// `on_upstream_failure = "release"`; on one with `"unknown"` it records
+    /// the outcome as unknown, so a retry cannot run the request again.
+    #[tokio::test]
+    async fn a_guard_dropped_unsettled_settles_as_an_upstream_failure_would() {
+        let (config, store, context) = routes_and_context();
         let lease = Duration::from_secs(30);
         let fingerprint = Fingerprint([2; 32]);
         for (n, (policy, sent)) in [(0, false), (0, true), (1, false), (1, true)].into_iter().enumerate() {
@@ -884,6 +898,29 @@ mod tests {
         context.exchanges.close();
         context.exchanges.wait().await;
         assert_eq!(context.metrics.claims_in_flight(), 0);
+    }
+
+    /// A claim a shutdown has taken to record as unknown is not released
+    /// by its exchange ending at that moment: released first, the unknown
+    /// outcome would land on the empty key all the same.
+    #[tokio::test]
+    async fn a_claim_a_shutdown_records_as_unknown_is_not_released_meanwhile() {
+        let (config, store, context) = routes_and_context();
+        let (key, fingerprint, owner, lease) = (
+            RecordKey([9; 32]),
+            Fingerprint([2; 32]),
+            Owner(9),
+            Duration::from_secs(30),
+        );
+        store.claim(&key, &fingerprint, owner, lease, None).await.unwrap();
+        let mut guard = ClaimGuard::new(context.clone(), key, fingerprint, owner, lease, Instant::now());
+        guard.sending(&config.routes[1].policy);
+        // The shutdown takes it; its completion has not landed yet.
+        let taken: Vec<_> = context.sent.lock().drain().collect();
+        assert_eq!(taken.len(), 1);
+        guard.release().await;
+        let found = store.inspect(&key).await.unwrap().map(|(record, _)| record);
+        assert!(matches!(found, Some(Record::InFlight { .. })), "{found:?}");
     }
 
     #[tokio::test]
