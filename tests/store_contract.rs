@@ -957,9 +957,8 @@ async fn redis_turning_a_connection_away_leaves_the_native_claim_in_use() {
             other => panic!("{other:?}"),
         }
     }
-    // That first claim went by script, as every claim does until a script
-    // has run (a user denied scripts takes no claim); the next ones are
-    // native.
+    // That first claim ran the scripts' probe first, as a claim does until
+    // it has run (a user denied scripts takes no claim); all are native.
     server.cli(&["config", "resetstat"]).unwrap();
     for _ in 0..2 {
         let claimed = store.claim(&key(), &A, Owner::new(), LONG, None).await;

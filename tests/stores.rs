@@ -312,6 +312,9 @@ async fn a_slow_claim_does_not_turn_an_unreachable_upstream_into_a_sent_request(
     let redis = RedisServer::start();
     let port = slow_address(redis.port, Duration::from_millis(600)).await;
     let store = redis_store_within(&format!("redis://127.0.0.1:{port}/0"), Duration::from_secs(3));
+    // Connected, and its scripts known to run (the first claim would
+    // probe them first): each claim is then one slow round trip.
+    store.ping().await.unwrap();
     let (unreachable, _socket, _queued) = unanswering();
     let config = format!("[upstream]\ntimeout = \"1s\"\n{ROUTE}on_upstream_failure = \"unknown\"\n");
     let proxy = Proxy::start_with_store(&unreachable, &config, store).await;
@@ -826,6 +829,9 @@ async fn a_redis_user_denied_scripts_takes_no_claim() {
         .cli(&["acl", "setuser", "gate", "+@scripting", "-pexpire"])
         .expect("granted");
     assert!(store.ping().await.is_err(), "ready without PEXPIRE");
+    // A claim by script would go through (GET and SET); it waits on the
+    // probe instead, which calls PEXPIRE as renewals do.
+    assert!(store.claim(&key, &fp, Owner::new(), lease, None).await.is_err());
 
     // The README's user, with no more than it names: all works.
     let readme = [

@@ -371,11 +371,12 @@ pub struct RedisStore {
     listening: Arc<AtomicBool>,
     /// Whether the server takes `SET ... NX ... GET` (Redis 7 and later).
     native_claim: AtomicBool,
-    /// Whether the last script ran: a user the ACL denies scripts (no
-    /// `EVALSHA`/`EVAL`) could claim natively but never complete, renew or
-    /// release, and a retry would run the request again once the lease
-    /// ran out. Until a script has run, and after one is refused, claims go
-    /// by script too, and fail.
+    /// Whether the scripts are known to run: a user the ACL denies them,
+    /// or a command they call, could claim natively but never complete,
+    /// renew or release, and a retry would run the request again once the
+    /// lease ran out. Set by the probe ([`PING`], which calls every command
+    /// the scripts do), cleared by any refusal; while clear, a claim runs
+    /// the probe first, and fails with it.
     scripts_run: AtomicBool,
     /// Completions waiting to go to Redis together, per thread (one Redis
     /// server only; see [`RedisStore::complete`]).
@@ -615,10 +616,12 @@ impl RedisStore {
     /// Notes whether a script ran, from its call's `error`; a refusal by
     /// the ACL is logged, throttled.
     fn note_scripts(&self, error: Option<&RedisError>) {
-        // Refused the script itself, or a command it calls.
+        // Refused the script itself, or a command it calls (Redis 7.0
+        // says "can't run this command", 7.2 "no permissions to run").
         let denied = error.is_some_and(|e| {
             e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm)
-                || e.detail().is_some_and(|d| d.contains("can't run this command"))
+                || e.detail()
+                    .is_some_and(|d| d.contains("can't run this command") || d.contains("no permissions to run"))
         });
         if denied {
             crate::telemetry::warn_throttled!(
@@ -631,9 +634,19 @@ impl RedisStore {
         }
         // Written only when it changes: both workers read it on every
         // claim, and a write would pull its cache line from core to core.
-        if (denied || error.is_none()) && self.scripts_run.load(Ordering::Relaxed) == denied {
-            self.scripts_run.store(!denied, Ordering::Relaxed);
+        if denied && self.scripts_run.load(Ordering::Relaxed) {
+            self.scripts_run.store(false, Ordering::Relaxed);
         }
+    }
+
+    /// Runs the probe, [`PING`]: a write, by a script calling every
+    /// command the scripts call. Once it runs, the scripts are known to.
+    async fn probe(&self) -> Result<(), StoreError> {
+        self.eval::<i64>(&self.scripts.ping, b"idemgate:{ping}", &[]).await?;
+        if !self.scripts_run.load(Ordering::Relaxed) {
+            self.scripts_run.store(true, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     /// [`RedisStore::eval_on`] on `connection`, with Redis's own error.
@@ -814,9 +827,15 @@ impl Store for RedisStore {
         lease: Duration,
         refresh_ttl: Option<Duration>,
     ) -> Result<Claim, StoreError> {
+        if !self.scripts_run.load(Ordering::Relaxed) {
+            // Not sent: the claim waits on the probe.
+            self.probe().await.map_err(|error| match error {
+                StoreError::Unavailable(why) | StoreError::NotSent(why) => StoreError::NotSent(why),
+                other => other,
+            })?;
+        }
         let claim = codec::in_flight(fingerprint, owner);
-        let native = self.native_claim.load(Ordering::Relaxed) && self.scripts_run.load(Ordering::Relaxed);
-        let found = if refresh_ttl.is_none() && native {
+        let found = if refresh_ttl.is_none() && self.native_claim.load(Ordering::Relaxed) {
             self.claim_natively(key, &claim, ms(lease)).await?
         } else {
             // A replay that refreshes the TTL must do it in the same step.
@@ -939,18 +958,13 @@ impl Store for RedisStore {
         // (after a failover), or out of memory, takes no claim; by a
         // script, as completions are: a user the ACL denies scripts could
         // complete nothing.
-        let probe = || async {
-            self.eval::<i64>(&self.scripts.ping, b"idemgate:{ping}", &[])
-                .await
-                .map(drop)
-        };
         // A connection that broke while Redis was away fails its first
         // command and reconnects: ask twice before calling Redis down.
-        if probe().await.is_ok() {
+        if self.probe().await.is_ok() {
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
-        probe().await
+        self.probe().await
     }
 }
 
