@@ -776,18 +776,29 @@ impl Wal {
     }
 
     /// Makes segment `n` from a spare, or from a new zero-filled file, and
-    /// opens it; its directory entry is synced before it is used.
+    /// opens it; its directory entry is synced before it is used. A
+    /// spare's first entry is zeroed (and synced) first: one written in an
+    /// earlier life under this same number (a file restored from a backup
+    /// repeats numbers) would otherwise start a valid chain, replayed if
+    /// this life wrote nothing before a restart.
     fn create(path: &Path, n: u64) -> std::io::Result<Wal> {
+        use std::os::unix::fs::FileExt;
         let target = Wal::segment_path(path, n);
-        match Wal::numbered(path, "-wal-spare.")?.first() {
+        let spare = Wal::numbered(path, "-wal-spare.")?.into_iter().next();
+        match &spare {
             Some((_, spare)) => fs::rename(spare, &target)?,
             None => Wal::zero_filled(&target)?,
         }
         File::open(parent(path))?.sync_all()?;
+        let file = OpenOptions::new().write(true).open(target)?;
+        if spare.is_some() {
+            file.write_all_at(&[0; 8], 0)?;
+            file.sync_data()?;
+        }
         Ok(Wal {
             path: path.to_owned(),
             segment: n,
-            file: OpenOptions::new().write(true).open(target)?,
+            file,
             offset: 0,
             link: 0,
         })
@@ -1614,6 +1625,30 @@ mod tests {
             Wal::entries(&bytes, 2, true).count(),
             0,
             "what segment 1 wrote is not segment 2's"
+        );
+
+        // A spare that was segment 3 in another life (a restored file's
+        // numbers repeat), made segment 3 again: its old chain is not
+        // read, though this life has written nothing yet.
+        let (mut log, mut link) = (Vec::new(), 0);
+        Wal::encode(&mut log, (3, &mut link), &[3; 32], Some(b"other life"));
+        let mut wal = Wal::create(&path, 3).unwrap();
+        wal.append(&log, link).unwrap();
+        drop(wal);
+        Wal::retire(&path, [2, 3]).unwrap();
+        let spare = Wal::numbered(&path, "-wal-spare.").unwrap().pop().unwrap().1;
+        assert_eq!(Wal::entries(&std::fs::read(&spare).unwrap(), 3, true).count(), 1);
+        for (_, other) in Wal::numbered(&path, "-wal-spare.").unwrap() {
+            if other != spare {
+                fs::remove_file(other).unwrap();
+            }
+        }
+        drop(Wal::create(&path, 3).unwrap());
+        let bytes = std::fs::read(Wal::segment_path(&path, 3)).unwrap();
+        assert_eq!(
+            Wal::entries(&bytes, 3, true).count(),
+            0,
+            "an earlier life's chain was read"
         );
     }
 
