@@ -72,7 +72,6 @@ pub struct SentClaims(Arc<std::sync::Mutex<HashMap<Owner, SentClaim>>>);
 
 /// A claim [`SentClaims`] holds, and the `ttl` of its unknown outcome.
 struct SentClaim {
-    store: StoreHandle,
     key: RecordKey,
     fingerprint: Fingerprint,
     ttl: Duration,
@@ -92,17 +91,13 @@ impl SentClaims {
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Records every claim here as an unknown outcome, each within the
-    /// store's deadline; returns how many were recorded.
-    pub async fn record_unknown(&self) -> usize {
+    /// Records every claim here as an unknown outcome in `store` (the
+    /// one every gateway of the worker has had: it changes only with a
+    /// restart), each within its deadline; returns how many were recorded.
+    pub async fn record_unknown(&self, store: &StoreHandle) -> usize {
         let claims: Vec<_> = self.lock().drain().collect();
         let recorded = claims.into_iter().map(|(owner, claim)| async move {
-            let SentClaim {
-                store,
-                key,
-                fingerprint,
-                ttl,
-            } = claim;
+            let SentClaim { key, fingerprint, ttl } = claim;
             let done = store.complete(&key, &fingerprint, owner, Outcome::Unknown, ttl).await;
             if let Err(error) = &done {
                 tracing::error!(key = %key.tag(), error = %error_chain(error), "recording an unknown outcome at shutdown failed; the lease will run out");
@@ -172,7 +167,6 @@ impl ClaimGuard {
         if policy.on_upstream_failure == OnUpstreamFailure::Unknown && self.unknown_for.is_none() {
             self.unknown_for = Some(policy.ttl);
             let claim = SentClaim {
-                store: self.context.store.clone(),
                 key: self.key,
                 fingerprint: self.fingerprint,
                 ttl: policy.ttl,
@@ -384,9 +378,9 @@ async fn retry_completion(
 /// and another request took the key; but a completion that reached the
 /// store and was then sent again (its answer lost with a dropped
 /// connection, as a Redis Cluster client resends) finds the record it
-/// completed itself. A record
-/// keeps no owner, so a retry's identical answer looks the same: both
-/// cases stay warnings, each named for what the store holds.
+/// completed itself. A record keeps no owner, so a retry's identical
+/// answer looks the same: both cases stay warnings, each named for what
+/// the store holds.
 async fn lost(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, outcome: &Outcome) -> bool {
     let landed = matches!(
         store.inspect(key).await,
@@ -783,9 +777,10 @@ fn kept_headers<'a>(
 /// releases) is released whatever the policy: its head settled that a
 /// retry may run.
 async fn fail(guard: ClaimGuard, policy: &Policy, failure: Failure, kept: bool) -> Problem {
-    let on_failure = match kept {
-        true => policy.on_upstream_failure,
-        false => OnUpstreamFailure::Release,
+    let on_failure = if kept {
+        policy.on_upstream_failure
+    } else {
+        OnUpstreamFailure::Release
     };
     match on_failure {
         OnUpstreamFailure::Release => guard.release().await,

@@ -409,7 +409,7 @@ impl Server {
                 // on routes that keep such outcomes as unknown would leave
                 // their claims to their leases, and a retry would run them
                 // again: recorded as unknown first.
-                let unknown = sent.record_unknown().await;
+                let unknown = sent.record_unknown(gateway.load().store()).await;
                 tracing::warn!(
                     connections = connections.len(),
                     exchanges = exchanges.len(),

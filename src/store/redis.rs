@@ -145,12 +145,12 @@ const RELEASE: &str = "redis.call('DEL', KEYS[1])\nreturn 1\n";
 /// slots), each owner-checked on its own as by [`OURS_OR_NONE`], as if one
 /// after the other (a key completed earlier in the call is another's):
 /// ARGV holds owner token, record and TTL for each key in turn. Returns
-/// per key 1 (completed), 0 (another's) or -1 (Redis refused the write: that key alone fails, as a
-/// script that stops half way would keep what it wrote). A replica's
-/// READONLY (before Redis 7, after a prefix) ends the call as an error, so
-/// the connection sees it and
-/// lets go of the server: a replica writes nothing, so nothing before it
-/// in the call was written either. One `MGET` reads
+/// per key 1 (completed), 0 (another's) or -1 (Redis refused the write:
+/// that key alone fails, as a script that stops half way would keep what
+/// it wrote). A replica's READONLY (before Redis 7, after a prefix) ends
+/// the call as an error, so the connection sees it and lets go of the
+/// server: a replica writes nothing, so nothing before it in the call was
+/// written either. One `MGET` reads
 /// them all: a call from Lua costs more than the read (redis-server's
 /// instructions per record, batches of nine: -1.7k against a `GET` each).
 const COMPLETE_MANY: &str = concat!(
