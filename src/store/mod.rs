@@ -1,5 +1,6 @@
-//! The store contract: atomic claims, owner-checked completion, release and
-//! lease renewal, and waiting for a record to change.
+//! The store contract: atomic claims, owner-checked completion (which also
+//! lands where no record is left), release and lease renewal, and waiting
+//! for a record to change.
 //!
 //! Every backend implements [`Store`]; the proxy holds a [`StoreHandle`],
 //! which puts a deadline on every call so a store that hangs is an error, not

@@ -9,7 +9,8 @@
 //! (Redis 7), or, when a replay must refresh the TTL in the same step or
 //! the server is older, a Lua script (`EVALSHA`, cached by SHA; sent whole
 //! with `EVAL` to a server that lacks it). Completion,
-//! release and renewal are scripts that check the owner token first. On one
+//! release and renewal are scripts that check the owner token first (a
+//! completion also lands where the key holds no record). On one
 //! server, completions made on a thread in one turn of its runtime share one
 //! script call (each still checked against its own owner), which saves
 //! Redis the script's fixed cost per completion; a server in cluster mode
