@@ -570,6 +570,18 @@ impl Exchange {
                 let _ = reply.send(Problem::UpstreamUnavailable("the upstream cannot be reached".into()).response());
                 return;
             }
+            Some(Err(error)) if error.is_answer() => {
+                // The backend answered, so it had the request: whatever it
+                // did is done, and running it again on a retry (as a
+                // released key would) could do it twice. The key is kept
+                // as an unknown outcome, whatever `on_upstream_failure`
+                // says of failures that leave that in doubt.
+                counters.count(TelemetryOutcome::UpstreamError);
+                tracing::warn!(route = %live.route.name, key = %key.tag(), error = %error_chain(&error), "the upstream's answer cannot be passed on; its outcome is recorded as unknown");
+                guard.complete(Outcome::Unknown, policy.ttl).await;
+                let _ = reply.send(Problem::OutcomeUnknown.response());
+                return;
+            }
             Some(Err(error)) => {
                 counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(route = %live.route.name, key = %key.tag(), error = %error_chain(&error), "upstream failed after the request was sent");

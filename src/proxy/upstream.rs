@@ -89,6 +89,14 @@ impl UpstreamError {
     pub fn is_connect(&self) -> bool {
         matches!(self, UpstreamError::Connect(_))
     }
+
+    /// The upstream answered, but not in a way that can be passed on: a
+    /// head that does not parse, is too large, or frames its body in a way
+    /// this hop refuses. Unlike a timeout or a reset, this says the request
+    /// reached the backend, which then acted on it.
+    pub fn is_answer(&self) -> bool {
+        matches!(self, UpstreamError::Protocol(_))
+    }
 }
 
 /// The upstream client: `connect_timeout`, and for https:// the webpki
@@ -341,11 +349,12 @@ impl UpstreamClient {
             client: self.inner.id,
             runtime: tokio::runtime::Handle::try_current().ok().map(|h| h.id()),
             https: parts.uri.scheme() == Some(&Scheme::HTTPS),
-            authority: parts
-                .uri
-                .authority()
-                .cloned()
-                .ok_or(UpstreamError::Protocol("the upstream URI has no authority"))?,
+            authority: parts.uri.authority().cloned().ok_or_else(|| {
+                UpstreamError::Connect(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "the upstream URI has no authority",
+                ))
+            })?,
             idle_timeout: self.inner.idle_timeout,
         };
         let (mut conn, mut pooled) = match checkout(&key) {
