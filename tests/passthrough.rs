@@ -541,4 +541,43 @@ async fn an_absolute_form_target_is_routed_by_its_own_host() {
     }
     let seen = &upstream.seen()[0].headers;
     assert_eq!(seen.get("x-forwarded-host").unwrap(), "pay.example.com");
+    // An empty path goes as `/` (RFC 9112 §3.2.1), as it was routed.
+    stream
+        .write_all(b"GET http://pay.example.com?x=1 HTTP/1.1\r\nhost: other.example.com\r\n\r\n")
+        .await
+        .unwrap();
+    for _ in 0..500 {
+        if upstream.seen().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(upstream.seen().get(1).map(|s| s.uri.as_str()), Some("/?x=1"));
+}
+
+/// The target's host is the request's for a route's `scope` too: two
+/// requests to one absolute target with one key share one record, whatever
+/// `Host` they also sent (routes matched the target's).
+#[tokio::test]
+async fn an_absolute_form_targets_host_is_the_scopes() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        "[[route]]\nname = \"pay\"\npath = \"/v1/orders\"\nscope = [\"host\"]\n",
+    )
+    .await;
+    for (host, replayed) in [("a.example.com", false), ("b.example.com", true)] {
+        let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let request = format!(
+            "POST http://pay.example.com/v1/orders HTTP/1.1\r\nhost: {host}\r\nidempotency-key: abs-1\r\n\
+             connection: close\r\ncontent-length: 2\r\n\r\n{{}}"
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await.unwrap();
+        let response = String::from_utf8_lossy(&response).to_lowercase();
+        assert!(response.starts_with("http/1.1 201"), "{response}");
+        assert_eq!(response.contains("idempotent-replayed: true"), replayed, "{response}");
+    }
+    assert_eq!(upstream.hits(), 1);
 }

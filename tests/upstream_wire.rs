@@ -64,18 +64,10 @@ fn script(path: &str) -> (&'static [u8], bool) {
             b"HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\nten!\r\n0\r\n\r\n",
             true,
         ),
-        // A whole answer with more header fields than a head may have.
-        "/many-headers" => {
-            static HEAD: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
-                let mut head = b"HTTP/1.1 201 Created\r\n".to_vec();
-                for i in 0..130 {
-                    head.extend_from_slice(format!("x-field-{i}: {i}\r\n").as_bytes());
-                }
-                head.extend_from_slice(b"content-length: 4\r\n\r\nmany");
-                head
-            });
-            (&HEAD[..], false)
-        }
+        // Whole answers with more header fields than a request may have
+        // (taken), and than an answer may have (refused).
+        "/many-headers" => (with_fields(200), false),
+        "/too-many-headers" => (with_fields(1100), false),
         // Hop-by-hop headers in every spelling and place: a header named
         // by a later `Connection` line, and options beside names.
         "/hop" | "/hop-recorded" => (
@@ -98,6 +90,16 @@ fn script(path: &str) -> (&'static [u8], bool) {
         "/dropped" | "/dropped-claimed" => (b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\ndropped", false),
         _ => (b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n", false),
     }
+}
+
+/// A 201 with `count` header fields besides its `content-length`.
+fn with_fields(count: usize) -> &'static [u8] {
+    let mut head = b"HTTP/1.1 201 Created\r\n".to_vec();
+    for i in 0..count {
+        head.extend_from_slice(format!("x-field-{i}: {i}\r\n").as_bytes());
+    }
+    head.extend_from_slice(b"content-length: 4\r\n\r\nmany");
+    Vec::leak(head)
 }
 
 struct RawUpstream {
@@ -261,6 +263,21 @@ async fn every_framing_arrives_whole_and_connections_are_reused() {
     assert_eq!(interim.status, StatusCode::CREATED);
     assert_eq!(interim.text(), "interim");
     assert_eq!(get("/no-content").await.status, StatusCode::NO_CONTENT);
+    // More fields than a request may have (hyper's client takes 100: read
+    // raw).
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    stream
+        .write_all(b"GET /many-headers HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut many = Vec::new();
+    stream.read_to_end(&mut many).await.unwrap();
+    let many = String::from_utf8(many).unwrap();
+    assert!(many.starts_with("HTTP/1.1 201"), "{many}");
+    assert!(
+        many.contains("x-field-199: 199\r\n") && many.ends_with("\r\n\r\nmany"),
+        "{many}"
+    );
     let not_modified = get("/not-modified").await;
     assert_eq!(not_modified.status, StatusCode::NOT_MODIFIED);
     let lengths: Vec<_> = not_modified.headers.get_all("content-length").iter().collect();
@@ -398,7 +415,7 @@ on_upstream_failure = "release"
     )
     .await;
     let client = TestClient::default();
-    let paths = ["/gzip-chunked", "/chunked-1.0", "/many-headers", "/garbage"];
+    let paths = ["/gzip-chunked", "/chunked-1.0", "/too-many-headers", "/garbage"];
     for path in paths {
         let answer = client.send("GET", &proxy.url(path), &[], "").await;
         assert_eq!(answer.status, StatusCode::BAD_GATEWAY, "{path}: {}", answer.text());
@@ -486,6 +503,28 @@ async fn http2_clients_get_no_trailers_first_time_or_on_replay() {
         let body = response.into_body().collect().await.unwrap();
         assert!(body.trailers().is_none(), "replay {replay}: {:?}", body.trailers());
         assert_eq!(body.to_bytes(), "chunked");
+    }
+}
+
+/// A 204 that declares a body's length: the length is dropped (RFC 9110
+/// §8.6), from the record too, or an HTTP/2 client resets the stream,
+/// first time and on every replay.
+#[tokio::test]
+async fn a_204s_content_length_reaches_no_client() {
+    use http_body_util::BodyExt;
+    let (_upstream, proxy) = behind_proxy("[[route]]\nname = \"nc\"\npath = \"/no-content-with-body\"\n").await;
+    let client = support::h2_client();
+    for replay in [false, true] {
+        let request = http::Request::post(proxy.url("/no-content-with-body"))
+            .header("idempotency-key", "h2-204")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::NO_CONTENT);
+        assert_eq!(response.headers().contains_key("idempotent-replayed"), replay);
+        assert_eq!(response.headers().get("content-length"), None, "replay {replay}");
+        let body = response.into_body().collect().await.unwrap();
+        assert!(body.to_bytes().is_empty());
     }
 }
 

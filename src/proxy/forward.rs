@@ -66,15 +66,21 @@ pub fn drop_named<'a>(headers: &mut HeaderMap, values: impl Iterator<Item = &'a 
 /// Gives an HTTP/2 request's headers the shape an HTTP/1.1 head would have,
 /// before anything reads them, so a route's `scope`, derived key and
 /// fingerprint see the same request whichever protocol a retry comes by:
-/// a `Host` from `:authority` (HTTP/2 clients send no `Host`; RFC 9113
-/// §8.3.1), and the `Cookie` fields it may send one per cookie joined.
-pub fn h2_as_h1(uri: &Uri, headers: &mut HeaderMap) {
-    if !headers.contains_key(header::HOST)
-        && let Some(host) = authority_host(uri)
-    {
+/// the `Cookie` fields it may send one per cookie joined. (Its `Host`,
+/// from `:authority`, is [`host_from_target`]'s.)
+pub fn h2_as_h1(headers: &mut HeaderMap) {
+    join_cookies(headers);
+}
+
+/// Makes the target's own authority, when it names one (an absolute-form
+/// target; HTTP/2's `:authority`), the request's `Host`: it wins over a
+/// `Host` field (RFC 9112 §3.2.2, RFC 9113 §8.3.1), and routes match it,
+/// so a route's `scope`, derived key and fingerprint must read it too, not
+/// a `Host` that names another. (An HTTP/2 client may send no `Host`.)
+pub fn host_from_target(uri: &Uri, headers: &mut HeaderMap) {
+    if let Some(host) = authority_host(uri) {
         headers.insert(header::HOST, host);
     }
-    join_cookies(headers);
 }
 
 /// The target's own `host[:port]` as a `Host` value, when it names one:
@@ -288,24 +294,33 @@ mod tests {
         for cookie in ["session=abc", "csrf=xyz", "theme=dark"] {
             headers.append(header::COOKIE, HeaderValue::from_static(cookie));
         }
-        h2_as_h1(
+        h2_as_h1(&mut headers);
+        assert_eq!(cookies(&headers), ["session=abc; csrf=xyz; theme=dark"]);
+        let mut none = HeaderMap::new();
+        none.insert(header::COOKIE, HeaderValue::from_static("one=1"));
+        h2_as_h1(&mut none);
+        assert_eq!(cookies(&none), ["one=1"]);
+    }
+
+    #[test]
+    fn the_target_names_the_host() {
+        let mut headers = HeaderMap::new();
+        host_from_target(
             &Uri::from_static("https://user:pw@api.example.com:8443/orders"),
             &mut headers,
         );
-        assert_eq!(cookies(&headers), ["session=abc; csrf=xyz; theme=dark"]);
         assert_eq!(headers[header::HOST], "api.example.com:8443");
-        // A Host the client sent is kept; without an authority there is none.
+        // A Host the client sent gives way to the target's; without an
+        // authority, it stands (and so does its absence).
         let mut sent = HeaderMap::new();
         sent.insert(header::HOST, HeaderValue::from_static("sent.example"));
-        h2_as_h1(&Uri::from_static("http://api.example.com/orders"), &mut sent);
-        assert_eq!(sent[header::HOST], "sent.example");
+        host_from_target(&Uri::from_static("http://api.example.com/orders"), &mut sent);
+        assert_eq!(sent[header::HOST], "api.example.com");
+        host_from_target(&Uri::from_static("/orders"), &mut sent);
+        assert_eq!(sent[header::HOST], "api.example.com");
         let mut none = HeaderMap::new();
-        none.insert(header::COOKIE, HeaderValue::from_static("one=1"));
-        h2_as_h1(&Uri::from_static("/orders"), &mut none);
-        assert_eq!(
-            (none.get(header::HOST), cookies(&none)),
-            (None, vec!["one=1".to_owned()])
-        );
+        host_from_target(&Uri::from_static("/orders"), &mut none);
+        assert_eq!(none.get(header::HOST), None);
     }
 
     #[test]

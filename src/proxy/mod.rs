@@ -244,9 +244,13 @@ impl Gateway {
     /// is the one every request moves.
     pub fn handle(
         &self,
-        request: Request<ClientBody>,
+        mut request: Request<ClientBody>,
         peer: Peer,
     ) -> impl Future<Output = Response<ResponseBody>> + '_ {
+        if request.uri().authority().is_some() {
+            let (uri, headers) = (request.uri().clone(), request.headers_mut());
+            forward::host_from_target(&uri, headers);
+        }
         let span = tracing::debug_span!("request", route = Empty, outcome = Empty, key = Empty);
         let answer = match self.route_for(&request) {
             Routed::Idempotent(live, params) => Either::Left(self.idempotent(live, params, request, peer)),

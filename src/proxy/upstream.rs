@@ -43,7 +43,7 @@ use super::forward;
 use crate::clock::coarse_now;
 use crate::config::UpstreamConfig;
 use crate::server::tls::{self, TlsError};
-use crate::wire::{self, Chunked, LineWatch, MAX_HEAD, MAX_HEADERS, next_chunk};
+use crate::wire::{self, Chunked, LineWatch, MAX_HEAD, next_chunk};
 
 const MAX_IDLE_PER_UPSTREAM: usize = 1024;
 /// Bytes read from the upstream at a time, at least.
@@ -503,7 +503,13 @@ fn encode_head(parts: &http::request::Parts, authority: &Authority, length: Opti
     head.clear();
     head.extend_from_slice(parts.method.as_str().as_bytes());
     head.push(b' ');
-    head.extend_from_slice(parts.uri.path_and_query().map_or("/", |p| p.as_str()).as_bytes());
+    let target = parts.uri.path_and_query().map_or("", |p| p.as_str());
+    // An absolute target's empty path goes as `/` (RFC 9112 §3.2.1):
+    // `http://a?x=1` as `/?x=1`, as routes matched it.
+    if !target.starts_with('/') && target != "*" {
+        head.push(b'/');
+    }
+    head.extend_from_slice(target.as_bytes());
     head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     head.extend_from_slice(authority.as_str().as_bytes());
     head.extend_from_slice(b"\r\n");
@@ -654,6 +660,12 @@ enum Framing {
     Close,
 }
 
+/// The most header fields an upstream's answer may have: more than a
+/// client's request may (`wire::MAX_HEADERS`), as nginx bounds an answer's
+/// head by its size alone, and a backend's answer refused here cannot be
+/// had again. Its 64 KiB (`MAX_HEAD`) still bounds it.
+const MAX_FIELDS: usize = 1024;
+
 /// Reads the response head (skipping 1xx interim answers) and decides the
 /// body's framing and whether the connection can be reused.
 async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Framing, bool), UpstreamError> {
@@ -661,7 +673,7 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
     loop {
         lines.skip_empty_lines(&mut conn.buf);
         if !conn.buf.is_empty() && lines.ended_another(&conn.buf) {
-            let mut slots = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+            let mut slots = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_FIELDS];
             let mut parsed = httparse::Response::new(&mut []);
             let config = httparse::ParserConfig::default();
             match config.parse_response_with_uninit_headers(&mut parsed, &conn.buf, &mut slots) {
@@ -710,6 +722,12 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                         // clients take no list, and a bodiless answer has
                         // no body to measure it by again.
                         headers.insert(header::CONTENT_LENGTH, length.into());
+                    }
+                    if status == StatusCode::NO_CONTENT {
+                        // A 204 has none (RFC 9110 §8.6): passed on, or
+                        // replayed, one above 0 has an HTTP/2 client reset
+                        // the stream (the HTTP/1.1 writer drops it).
+                        headers.remove(header::CONTENT_LENGTH);
                     }
                     if noted.transfer_encoding {
                         // RFC 9112 §6.3: Transfer-Encoding overrides it, and

@@ -481,7 +481,7 @@ async fn serve_h2<S>(
             async move {
                 let (mut parts, body) = request.into_parts();
                 let head_only = parts.method == http::Method::HEAD;
-                crate::proxy::forward::h2_as_h1(&parts.uri, &mut parts.headers);
+                crate::proxy::forward::h2_as_h1(&mut parts.headers);
                 let request = http::Request::from_parts(parts, ClientBody::h2(body, idle));
                 let mut response = gateway.handle(request, peer).await;
                 if head_only {
