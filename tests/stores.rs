@@ -97,22 +97,42 @@ async fn an_embedded_store_survives_kill_9_with_every_answer_and_claim() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_embedded_store_whose_file_cannot_grow_stops_and_loses_nothing() {
     // 200 KiB answers (256 KiB blocks in redb, whose file grows by
-    // doubling): 160 of them outgrow the 24 MiB any file of the first
-    // process may reach, at a checkpoint (every five seconds) that covers
-    // some 70 of them. The log's segments (16 MiB each) fit.
-    let upstream = Upstream::start(|hit, _| Reply::status(201, &format!("{hit}{}", "x".repeat(200 << 10)))).await;
+    // doubling), each after 200 ms, to eight clients at once: some 200 in
+    // the first five seconds, which outgrow the 24 MiB any file of the
+    // first process may reach at the first checkpoint. The log's segments
+    // (16 MiB each) fit.
+    let upstream = Upstream::start(|hit, _| {
+        Reply::status(201, &format!("{hit}{}", "x".repeat(200 << 10))).delayed(Duration::from_millis(200))
+    })
+    .await;
     let dir = tempfile::tempdir().unwrap();
     let config = embedded_in(dir.path(), "");
     let client = TestClient::default();
     let mut first = Binary::start_with_file_size_limit(&upstream.url(), &config, 24 << 20).await;
+    // Eight clients at once, so that requests are in flight when the file
+    // fails: each is given its answer, and must get it again after the
+    // restart (not a second run once its claim's lease has run out).
+    let clients: Vec<_> = (0..8)
+        .map(|c| {
+            let (client, url) = (client.clone(), first.url("/v1/orders"));
+            tokio::spawn(async move {
+                let mut answers = Vec::new();
+                for i in 0..1000 {
+                    let key = format!("k{c}-{i}");
+                    let answer = client.post(&url, &key, "{}").await;
+                    if answer.status == StatusCode::SERVICE_UNAVAILABLE {
+                        break; // the store failed already
+                    }
+                    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text());
+                    answers.push((key, answer.body));
+                }
+                answers
+            })
+        })
+        .collect();
     let mut answers = Vec::new();
-    for i in 0..160 {
-        let answer = client.post(&first.url("/v1/orders"), &format!("k{i}"), "{}").await;
-        if answer.status == StatusCode::SERVICE_UNAVAILABLE {
-            break; // the store failed already: a slow machine
-        }
-        assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text());
-        answers.push(answer.body);
+    for client in clients {
+        answers.extend(client.await.unwrap());
     }
     assert!(
         answers.len() >= 20,
@@ -140,22 +160,20 @@ async fn an_embedded_store_whose_file_cannot_grow_stops_and_loses_nothing() {
     );
     let log = first.log();
     assert!(
-        log.contains("a write to the embedded store's file failed") && log.contains("restart to recover"),
+        log.contains("a write to the embedded store's file failed (") && log.contains("restart to recover"),
         "{log}"
     );
+    assert!(!log.contains("completing the record failed"), "{log}");
     first.kill9();
 
-    // Every answer is in the log, and a restart (the disk has room again)
-    // puts them into the file. The last answer's record may have met the
-    // failure: then its claim is kept (409 until its lease runs out).
+    // Every answer is in the log, those of requests in flight as the file
+    // failed too, and a restart (the disk has room again) puts them into
+    // the file.
     let second = Binary::start(&upstream.url(), &config).await;
-    for (i, body) in answers.iter().enumerate() {
-        let replay = client.post(&second.url("/v1/orders"), &format!("k{i}"), "{}").await;
-        if i + 1 == answers.len() && replay.status == StatusCode::CONFLICT {
-            continue;
-        }
-        assert!(replay.replayed(), "k{i} was lost: {}", replay.status);
-        assert_eq!(&replay.body, body, "k{i}");
+    for (key, body) in &answers {
+        let replay = client.post(&second.url("/v1/orders"), key, "{}").await;
+        assert!(replay.replayed(), "{key} was lost: {}", replay.status);
+        assert_eq!(&replay.body, body, "{key}");
     }
     assert_eq!(upstream.hits(), answers.len());
     let ready = client

@@ -263,9 +263,14 @@ struct Shared {
     overlay: Mutex<Overlay>,
     /// Signalled when a checkpoint finishes.
     checkpointed: Condvar,
-    /// Set when a write of the log or the file failed: the store takes no
-    /// more writes (see [`Shared::fail`]).
+    /// Set when a write of the log failed: the store takes no more writes
+    /// (see [`Shared::fail`]).
     failed: OnceLock<String>,
+    /// Set when a write of the file failed: no checkpoint can land, so the
+    /// store takes no new claims, but the claims it holds still settle
+    /// (completed, released, renewed) into the log, which a restart
+    /// replays (see [`Shared::drain`]).
+    draining: OnceLock<String>,
     /// The keys in the file.
     filter: KeyFilter,
     /// Reads of the file on the blocking pool at once (see
@@ -279,16 +284,34 @@ impl Shared {
     /// Stops the store taking writes, for `failure`; the first failure is
     /// the one kept.
     fn fail(&self, failure: String) {
+        self.stop(&self.failed, failure);
+    }
+
+    /// Stops the store taking new claims, for `failure`, while the claims
+    /// it holds settle into the log: a client given its answer while the
+    /// file could not be written gets the replay after a restart, rather
+    /// than a second run once the claim's lease has run out.
+    fn drain(&self, failure: String) {
+        self.stop(&self.draining, failure);
+    }
+
+    fn stop(&self, level: &OnceLock<String>, failure: String) {
         let first = {
             // Under the overlay's lock: a writer waiting for a checkpoint
-            // looks at `failed` under it before it waits, so this wakes it.
+            // looks at `failed` and `draining` under it before it waits,
+            // so this wakes it.
             let _overlay = lock(&self.overlay);
-            self.failed.set(failure.clone()).is_ok()
+            level.set(failure.clone()).is_ok()
         };
         if first {
             tracing::error!("{failure}");
             self.checkpointed.notify_all();
         }
+    }
+
+    /// Why the store is not ready: it failed, or is draining.
+    fn refusal(&self) -> Option<&String> {
+        self.failed.get().or_else(|| self.draining.get())
     }
 
     /// Adds every key of the file to the filter, then lets it answer; until
@@ -490,6 +513,7 @@ impl EmbeddedStore {
             overlay: Mutex::new(Overlay::default()),
             checkpointed: Condvar::new(),
             failed: OnceLock::new(),
+            draining: OnceLock::new(),
             filter: KeyFilter::default(),
             reads: Arc::new(tokio::sync::Semaphore::new(FILE_READS)),
             clock,
@@ -653,7 +677,7 @@ impl Store for EmbeddedStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        if let Some(failure) = self.shared.failed.get() {
+        if let Some(failure) = self.shared.refusal() {
             return Err(StoreError::Unavailable(failure.clone().into()));
         }
         self.shared.db.begin_read().map(drop).map_err(unavailable)?;
@@ -1124,12 +1148,23 @@ impl Writer {
         if overlay.active.is_empty() || self.shared.failed.get().is_some() {
             return;
         }
+        if self.shared.draining.get().is_some() {
+            // No checkpoint could land: the overlay keeps what the log
+            // holds, and takes only the settling of claims held, and the
+            // refreshes of replays, up to its limit.
+            if overlay.active_bytes >= OVERLAY_LIMIT {
+                drop(overlay);
+                self.shared
+                    .fail("the embedded store's file cannot be written and its log is full; restart to recover".into());
+            }
+            return;
+        }
         let due = overlay.active_bytes >= CHECKPOINT_BYTES || self.last_checkpoint.elapsed() >= CHECKPOINT_EVERY;
         if !due {
             return;
         }
         while !overlay.frozen.is_empty() {
-            if overlay.active_bytes < OVERLAY_LIMIT || self.shared.failed.get().is_some() {
+            if overlay.active_bytes < OVERLAY_LIMIT || self.shared.refusal().is_some() {
                 return;
             }
             overlay = self
@@ -1325,6 +1360,10 @@ impl Batch<'_> {
                 }
             });
         }
+        // Refused having taken nothing: no release need follow.
+        if let Some(failure) = self.shared.draining.get() {
+            return Err(StoreError::NotSent(failure.clone().into()));
+        }
         let record = codec::in_flight(fingerprint, owner);
         self.put(key, self.stamp.saturating_add(lease), record.into());
         Ok(Claim::Claimed)
@@ -1376,9 +1415,11 @@ impl Checkpointer {
             if let Err(error) = written {
                 // redb refuses its file after a failed write until it is
                 // opened again, so a retry cannot land. The overlay keeps
-                // answering reads and the log keeps the records.
-                self.shared.fail(format!(
-                    "a write to the embedded store's file failed ({error}); restart to recover"
+                // answering reads and the log keeps the records, and takes
+                // the settling of the claims held.
+                self.shared.drain(format!(
+                    "a write to the embedded store's file failed ({}); new claims are refused, those held settle into its log; restart to recover",
+                    crate::telemetry::error_chain(&error)
                 ));
                 return;
             }
@@ -1742,6 +1783,46 @@ mod tests {
         assert!(matches!(replay.await.unwrap(), Claim::Completed { .. }));
         let conflict = store.claim(&held, &fingerprint, Owner::new(), lease, None);
         assert!(matches!(conflict.await.unwrap(), Claim::InFlight { .. }));
+    }
+
+    /// A store whose file cannot be written takes no new claims, but the
+    /// claims it holds still settle into the log, which a restart replays:
+    /// an answer given meanwhile is not run again after the restart.
+    #[tokio::test]
+    async fn a_draining_store_settles_the_claims_it_holds_into_its_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.redb");
+        let store = EmbeddedStore::open(&path).unwrap();
+        let (fingerprint, lease, ttl) = (Fingerprint([1; 32]), Duration::from_secs(30), Duration::from_secs(60));
+        let (done, released) = ((RecordKey([20; 32]), Owner::new()), (RecordKey([21; 32]), Owner::new()));
+        for (key, owner) in [done, released] {
+            let claim = store.claim(&key, &fingerprint, owner, lease, None).await;
+            assert_eq!(claim.unwrap(), Claim::Claimed);
+        }
+
+        store.shared.drain("a write to the file failed (in a test)".into());
+        assert!(store.ping().await.is_err());
+        let new = store.claim(&RecordKey([22; 32]), &fingerprint, Owner::new(), lease, None);
+        assert!(matches!(new.await, Err(StoreError::NotSent(_))));
+        let outcome = answer(&Bytes::from_static(b"settled"));
+        assert!(
+            store
+                .complete(&done.0, &fingerprint, done.1, outcome, ttl)
+                .await
+                .unwrap()
+        );
+        assert!(store.renew(&released.0, released.1, lease).await.unwrap());
+        assert!(store.release(&released.0, released.1).await.unwrap());
+        drop(store);
+
+        let store = reopen(&path);
+        let replay = store.claim(&done.0, &fingerprint, Owner::new(), lease, None).await;
+        let Ok(Claim::Completed { outcome, .. }) = replay else {
+            panic!("the completion was lost: {replay:?}");
+        };
+        assert!(matches!(outcome, Outcome::Response(r) if &r.body()[..] == b"settled"));
+        let free = store.claim(&released.0, &fingerprint, Owner::new(), lease, None).await;
+        assert_eq!(free.unwrap(), Claim::Claimed);
     }
 
     /// Stalls the writer of `store`: the checkpoint thread hangs on the
