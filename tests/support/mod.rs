@@ -506,11 +506,12 @@ impl Binary {
         .await
     }
 
-    async fn start_with_command(
-        upstream: &str,
-        toml: &str,
-        configure: impl FnOnce(&mut std::process::Command),
-    ) -> Binary {
+    /// Starts the binary on ports found free. Another test may take one
+    /// of them before the binary binds it (a store's replay can take
+    /// seconds): the binary then exits, and is started again on others.
+    /// It is up once it says it is serving, not when its port answers,
+    /// which that other test's listener would too.
+    async fn start_with_command(upstream: &str, toml: &str, configure: impl Fn(&mut std::process::Command)) -> Binary {
         let free = || {
             std::net::TcpListener::bind("127.0.0.1:0")
                 .unwrap()
@@ -518,37 +519,46 @@ impl Binary {
                 .unwrap()
                 .port()
         };
-        let (port, admin_port) = (free(), free());
-        let text = with_basics(upstream, toml)
-            .replace(
-                "admin_listen = \"127.0.0.1:0\"",
-                &format!("admin_listen = \"127.0.0.1:{admin_port}\""),
-            )
-            .replace("listen = \"127.0.0.1:0\"", &format!("listen = \"127.0.0.1:{port}\""));
-        let mut config = tempfile::NamedTempFile::new().unwrap();
-        std::io::Write::write_all(&mut config, text.as_bytes()).unwrap();
-        let log = tempfile::NamedTempFile::new().unwrap();
-        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"));
-        command
-            .arg("--config")
-            .arg(config.path())
-            .stdout(std::process::Stdio::null())
-            .stderr(log.reopen().unwrap());
-        configure(&mut command);
-        let child = command.spawn().unwrap();
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while tokio::net::TcpStream::connect(addr).await.is_err() {
-            assert!(tokio::time::Instant::now() < deadline, "idemgate did not start");
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        for _attempt in 0..5 {
+            let (port, admin_port) = (free(), free());
+            let text = with_basics(upstream, toml)
+                .replace(
+                    "admin_listen = \"127.0.0.1:0\"",
+                    &format!("admin_listen = \"127.0.0.1:{admin_port}\""),
+                )
+                .replace("listen = \"127.0.0.1:0\"", &format!("listen = \"127.0.0.1:{port}\""));
+            let mut config = tempfile::NamedTempFile::new().unwrap();
+            std::io::Write::write_all(&mut config, text.as_bytes()).unwrap();
+            let log = tempfile::NamedTempFile::new().unwrap();
+            let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"));
+            command
+                .arg("--config")
+                .arg(config.path())
+                .stdout(std::process::Stdio::null())
+                .stderr(log.reopen().unwrap());
+            configure(&mut command);
+            let mut binary = Binary {
+                addr: format!("127.0.0.1:{port}").parse().unwrap(),
+                admin: format!("127.0.0.1:{admin_port}").parse().unwrap(),
+                child: command.spawn().unwrap(),
+                _config: config,
+                log,
+            };
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                if binary.child.try_wait().unwrap().is_some() {
+                    let log = binary.log();
+                    assert!(log.contains("in use"), "idemgate exited: {log}");
+                    break;
+                }
+                if binary.log().contains("idemgate serving") {
+                    return binary;
+                }
+                assert!(tokio::time::Instant::now() < deadline, "idemgate did not start");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
-        Binary {
-            addr,
-            admin: format!("127.0.0.1:{admin_port}").parse().unwrap(),
-            child,
-            _config: config,
-            log,
-        }
+        panic!("no free ports for idemgate");
     }
 
     /// What the process wrote to standard error so far.
