@@ -4,10 +4,9 @@
 
 use bytes::Bytes;
 use http::request::Parts;
-use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use super::canonical;
+use super::canonical::{self, Json};
 use crate::config::{BodyMode, FingerprintPolicy};
 use crate::store::Fingerprint;
 
@@ -30,7 +29,7 @@ pub fn fingerprint(
     host: Option<&str>,
     parts: &Parts,
     body: &Bytes,
-    json: Option<&Value>,
+    json: Option<&Json>,
 ) -> Fingerprint {
     let mut hasher = Sha256::new();
     hasher.update(b"idemgate-fingerprint-v1");

@@ -3,10 +3,9 @@
 //! stored under (scoped by the configured headers).
 
 use http::HeaderMap;
-use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use super::canonical;
+use super::canonical::{self, Json};
 use super::problem::Problem;
 use crate::config::{DeriveField, KeyPolicy, RouteMatch};
 use crate::store::RecordKey;
@@ -18,7 +17,7 @@ pub struct KeySource<'a> {
     pub query: Option<&'a str>,
     pub params: &'a RouteMatch,
     /// The body parsed as JSON, when the body is JSON.
-    pub json: Option<&'a Value>,
+    pub json: Option<&'a Json>,
 }
 
 /// Reads the key header. `Ok(None)` when it is absent.
@@ -87,7 +86,7 @@ pub fn derive(fields: &[DeriveField], source: &KeySource<'_>) -> Result<String, 
                 .json
                 .and_then(|json| json.pointer(pointer))
                 .map(|v| String::from_utf8(canonical::to_vec(v)).expect("canonical JSON is UTF-8"))
-                .map(Value::String),
+                .map(Json::String),
             DeriveField::Header(name) => {
                 // UTF-8, not only visible ASCII: `x-tenant: Müller` is a
                 // value, not an absent field. Other bytes are refused:
@@ -100,9 +99,9 @@ pub fn derive(fields: &[DeriveField], source: &KeySource<'_>) -> Result<String, 
                         "the key is derived from `{field}`, whose value is not UTF-8 text"
                     ))
                 })?;
-                (!values.is_empty()).then(|| Value::String(values.join(",")))
+                (!values.is_empty()).then(|| Json::String(values.join(",")))
             }
-            DeriveField::Path(param) => source.params.param(param).map(|v| Value::String(v.to_string())),
+            DeriveField::Path(param) => source.params.param(param).map(|v| Json::String(v.to_string())),
             DeriveField::Query(name) => {
                 let mut values = query_values(source.query.unwrap_or(""), name).ok_or_else(|| {
                     Problem::KeyInvalid(format!(
@@ -115,20 +114,23 @@ pub fn derive(fields: &[DeriveField], source: &KeySource<'_>) -> Result<String, 
                 match values.len() {
                     0 => None,
                     1 => values.pop(),
-                    _ => Some(Value::Array(values)),
+                    _ => Some(Json::Array(values)),
                 }
             }
         };
-        let value = value.ok_or_else(|| {
-            Problem::KeyMissing(format!("the key is derived from `{field}`, which this request lacks"))
+        let value = value.ok_or_else(|| match field {
+            DeriveField::Body(_) if source.json.is_none() => Problem::KeyMissing(format!(
+                "the key is derived from `{field}`, and the body is not JSON (or an object in it names a member twice)"
+            )),
+            _ => Problem::KeyMissing(format!("the key is derived from `{field}`, which this request lacks")),
         })?;
-        pairs.push(Value::Array(vec![Value::String(field.to_string()), value]));
+        pairs.push(Json::Array(vec![Json::String(field.to_string()), value]));
     }
     let mut hasher = Sha256::new();
     hasher.update(b"idemgate-derived-v1\0");
     hasher.update(source.route.as_bytes());
     hasher.update(b"\0");
-    hasher.update(canonical::to_vec(&Value::Array(pairs)));
+    hasher.update(canonical::to_vec(&Json::Array(pairs)));
     Ok(hex::encode(hasher.finalize()))
 }
 
@@ -169,13 +171,13 @@ where
 /// The values of the query's `name` fields, decoded as a form's are
 /// ([`crate::wire::form_decoded`]); `None` when one is not UTF-8 once
 /// decoded, so that `?ref=%FF` and `?ref=%FE` cannot derive one key.
-fn query_values(query: &str, name: &str) -> Option<Vec<Value>> {
+fn query_values(query: &str, name: &str) -> Option<Vec<Json>> {
     let decode = |text: &str| String::from_utf8(crate::wire::form_decoded(text));
     let mut values = Vec::new();
     for pair in query.split('&').filter(|pair| !pair.is_empty()) {
         let (field, value) = pair.split_once('=').unwrap_or((pair, ""));
         if decode(field).is_ok_and(|field| field == name) {
-            values.push(Value::String(decode(value).ok()?));
+            values.push(Json::String(decode(value).ok()?));
         }
     }
     Some(values)
@@ -196,6 +198,37 @@ mod tests {
             json: None,
         };
         derive(fields, &source)
+    }
+
+    /// A body field is missing from a body that is not JSON for that
+    /// reason, which the answer says; and from JSON that lacks it, for
+    /// its own. Numbers of different values derive different keys.
+    #[test]
+    fn a_body_field_is_looked_for_in_json_alone() {
+        let fields = [DeriveField::Body("/id".into())];
+        let params = RouteMatch { params: Vec::new() };
+        let key = |json: Option<&Json>| {
+            let (headers, query) = (HeaderMap::new(), None);
+            let source = KeySource {
+                route: "r",
+                headers: &headers,
+                query,
+                params: &params,
+                json,
+            };
+            derive(&fields, &source)
+        };
+        let Err(Problem::KeyMissing(not_json)) = key(None) else {
+            panic!()
+        };
+        assert!(not_json.contains("the body is not JSON"), "{not_json}");
+        let Err(Problem::KeyMissing(lacks)) = key(canonical::parse(b"{}").as_ref()) else {
+            panic!()
+        };
+        assert!(lacks.contains("which this request lacks"), "{lacks}");
+        let one = key(canonical::parse(br#"{"id":100000000000000000001}"#).as_ref()).unwrap();
+        let other = key(canonical::parse(br#"{"id":100000000000000000002}"#).as_ref()).unwrap();
+        assert_ne!(one, other);
     }
 
     #[test]
