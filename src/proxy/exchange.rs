@@ -666,7 +666,7 @@ impl Exchange {
             kept.map(|(name, value)| (name.clone(), value.clone())).collect()
         });
         // An answer that is not kept is recorded by a recorder that keeps nothing.
-        let expected = early_len as u64 + body.size_hint().lower();
+        let expected = (early_len as u64).saturating_add(body.size_hint().lower());
         let recorder = Recorder::new(if keep { limit } else { 0 }, expected);
         let (tx, body_to_client) = ResponseBody::channel(CHANNEL_FRAMES);
         let client = reply.send(Response::from_parts(head, body_to_client)).ok().map(|_| tx);
