@@ -67,7 +67,13 @@ fn script(path: &str) -> (&'static [u8], bool) {
         // Whole answers with more header fields than a request may have
         // (taken), and than an answer may have (refused).
         "/many-headers" => (with_fields(200), false),
-        "/too-many-headers" => (with_fields(1100), false),
+        "/too-many-headers" => (with_fields(300), false),
+        // A refusal of this hop's framing, with a status that says the
+        // backend did not act.
+        "/busy-gzip" => (
+            b"HTTP/1.1 429 Too Many Requests\r\ntransfer-encoding: gzip, chunked\r\n\r\n4\r\nbusy\r\n0\r\n\r\n",
+            false,
+        ),
         // Hop-by-hop headers in every spelling and place: a header named
         // by a later `Connection` line, and options beside names.
         "/hop" | "/hop-recorded" => (
@@ -399,10 +405,12 @@ async fn a_bodiless_http2_request_the_upstream_dropped_goes_again_too() {
     assert_eq!((sent, upstream.connections.load(Ordering::SeqCst)), (3, 2));
 }
 
-/// Answers this hop cannot pass on are 502s. Through a route, the backend
-/// has answered, so it had the request: even where `on_upstream_failure`
-/// releases a key after a reset, the key is kept as an unknown outcome and
-/// a retry does not run the request again.
+/// Answers this hop cannot pass on are 502s. Through a route, one whose
+/// head begins with a status says the backend had the request: even where
+/// `on_upstream_failure` releases a key after a reset, the key is kept as
+/// an unknown outcome and a retry does not run the request again, unless
+/// the status says the backend did not act (a 429). One that is not HTTP
+/// at all (another service on the port) is released as a reset is.
 #[tokio::test]
 async fn answers_this_hop_cannot_pass_on_are_bad_gateways_that_keep_their_keys() {
     let (upstream, proxy) = behind_proxy(
@@ -415,21 +423,33 @@ on_upstream_failure = "release"
     )
     .await;
     let client = TestClient::default();
-    let paths = ["/gzip-chunked", "/chunked-1.0", "/too-many-headers", "/garbage"];
-    for path in paths {
+    let paths = [
+        ("/gzip-chunked", true),
+        ("/chunked-1.0", true),
+        ("/too-many-headers", true),
+        ("/garbage", false),
+        ("/busy-gzip", false),
+    ];
+    for (path, _) in paths {
         let answer = client.send("GET", &proxy.url(path), &[], "").await;
         assert_eq!(answer.status, StatusCode::BAD_GATEWAY, "{path}: {}", answer.text());
     }
-    for path in paths {
+    for (path, kept) in paths {
         let key = format!("k{path}");
         for _ in 0..2 {
             let answer = client.post(&proxy.url(path), &key, "{}").await;
             assert_eq!(answer.status, StatusCode::BAD_GATEWAY, "{path}: {}", answer.text());
-            assert_eq!(answer.problem(), "outcome-unknown", "{path}");
+            let problem = if kept {
+                "outcome-unknown"
+            } else {
+                "upstream-unavailable"
+            };
+            assert_eq!(answer.problem(), problem, "{path}");
         }
     }
-    // Each path's GET, and its first POST alone.
-    assert_eq!(upstream.bodies.lock().unwrap().len(), 2 * paths.len());
+    // Each path's GET and first POST, and the second POST where released.
+    let released = paths.iter().filter(|(_, kept)| !kept).count();
+    assert_eq!(upstream.bodies.lock().unwrap().len(), 2 * paths.len() + released);
 }
 
 /// An upstream that answers before reading the body (here a 413) and

@@ -570,16 +570,29 @@ impl Exchange {
                 let _ = reply.send(Problem::UpstreamUnavailable("the upstream cannot be reached".into()).response());
                 return;
             }
-            Some(Err(error)) if error.is_answer() => {
+            Some(Err(error)) if error.answered().is_some() => {
                 // The backend answered, so it had the request: whatever it
                 // did is done, and running it again on a retry (as a
                 // released key would) could do it twice. The key is kept
                 // as an unknown outcome, whatever `on_upstream_failure`
-                // says of failures that leave that in doubt.
+                // says of failures that leave that in doubt; unless the
+                // status says the backend did not act, or is a 5xx the
+                // route releases, as a well-formed answer's would be.
                 counters.count(TelemetryOutcome::UpstreamError);
-                tracing::warn!(route = %live.route.name, key = %key.tag(), error = %error_chain(&error), "the upstream's answer cannot be passed on; its outcome is recorded as unknown");
-                guard.complete(Outcome::Unknown, policy.ttl).await;
-                let _ = reply.send(Problem::OutcomeUnknown.response());
+                let status = error.answered().expect("checked in the guard");
+                let release = not_acted_on(status)
+                    || status.is_server_error() && policy.on_server_error == OnServerError::Release;
+                let error = error_chain(&error);
+                if release {
+                    tracing::warn!(route = %live.route.name, key = %key.tag(), error, "the upstream's answer cannot be passed on");
+                    guard.release().await;
+                    let problem = Problem::UpstreamUnavailable("the upstream's answer cannot be passed on".into());
+                    let _ = reply.send(problem.response());
+                } else {
+                    tracing::warn!(route = %live.route.name, key = %key.tag(), error, "the upstream's answer cannot be passed on; its outcome is recorded as unknown");
+                    guard.complete(Outcome::Unknown, policy.ttl).await;
+                    let _ = reply.send(Problem::OutcomeUnknown.response());
+                }
                 return;
             }
             Some(Err(error)) => {

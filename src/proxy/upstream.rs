@@ -79,6 +79,9 @@ pub enum UpstreamError {
     Io(#[source] io::Error),
     #[error("the upstream's answer is not valid HTTP/1.1: {0}")]
     Protocol(&'static str),
+    /// An answer with this status that cannot be passed on.
+    #[error("the upstream's answer ({0}) cannot be passed on: {1}")]
+    Refused(StatusCode, &'static str),
     #[error("the request body could not be read")]
     RequestBody(#[source] BoxError),
 }
@@ -90,12 +93,16 @@ impl UpstreamError {
         matches!(self, UpstreamError::Connect(_))
     }
 
-    /// The upstream answered, but not in a way that can be passed on: a
-    /// head that does not parse, is too large, or frames its body in a way
-    /// this hop refuses. Unlike a timeout or a reset, this says the request
-    /// reached the backend, which then acted on it.
-    pub fn is_answer(&self) -> bool {
-        matches!(self, UpstreamError::Protocol(_))
+    /// The status of an answer that cannot be passed on: a head that
+    /// begins as HTTP/1.x with a status, then does not parse, is too
+    /// large, or frames its body in a way this hop refuses. Unlike a
+    /// timeout or a reset, such an answer says the backend had the request
+    /// (one that does not begin so may be another service on the port).
+    pub fn answered(&self) -> Option<StatusCode> {
+        match self {
+            UpstreamError::Refused(status, _) => Some(*status),
+            _ => None,
+        }
     }
 }
 
@@ -663,8 +670,29 @@ enum Framing {
 /// The most header fields an upstream's answer may have: more than a
 /// client's request may (`wire::MAX_HEADERS`), as nginx bounds an answer's
 /// head by its size alone, and a backend's answer refused here cannot be
-/// had again. Its 64 KiB (`MAX_HEAD`) still bounds it.
-const MAX_FIELDS: usize = 1024;
+/// had again. Its 64 KiB (`MAX_HEAD`) still bounds it, and the head is
+/// parsed again at most once a line.
+const MAX_FIELDS: usize = 256;
+
+/// An answer refused for `why`: by its status when its head began with
+/// one (see [`UpstreamError::answered`]).
+fn refused(status: Option<StatusCode>, why: &'static str) -> UpstreamError {
+    match status {
+        Some(status) => UpstreamError::Refused(status, why),
+        None => UpstreamError::Protocol(why),
+    }
+}
+
+/// The status an HTTP/1.x head in `buf` begins with, if it does.
+fn status_line(buf: &[u8]) -> Option<StatusCode> {
+    let rest = buf.strip_prefix(b"HTTP/1.")?;
+    let (minor, rest) = rest.split_first()?;
+    let code = rest.strip_prefix(b" ")?.get(..3)?;
+    if !minor.is_ascii_digit() || !code.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    StatusCode::from_bytes(code).ok()
+}
 
 /// Reads the response head (skipping 1xx interim answers) and decides the
 /// body's framing and whether the connection can be reused.
@@ -679,7 +707,7 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
             match config.parse_response_with_uninit_headers(&mut parsed, &conn.buf, &mut slots) {
                 // As when it comes in pieces (below).
                 Ok(httparse::Status::Complete(length)) if length > MAX_HEAD => {
-                    return Err(UpstreamError::Protocol("the response head is too large"));
+                    return Err(refused(status_line(&conn.buf), "the response head is too large"));
                 }
                 Ok(httparse::Status::Complete(length)) => {
                     let code = parsed.code.unwrap_or(0);
@@ -691,7 +719,7 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                     let status = StatusCode::from_u16(code).map_err(|_| UpstreamError::Protocol("bad status"))?;
                     if status.is_informational() {
                         if status == StatusCode::SWITCHING_PROTOCOLS {
-                            return Err(UpstreamError::Protocol("the upstream switched protocols"));
+                            return Err(UpstreamError::Refused(status, "the upstream switched protocols"));
                         }
                         // The next head starts the buffer: looked at afresh.
                         lines = LineWatch::default();
@@ -707,12 +735,19 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                     // removed), but for Transfer-Encoding, read for framing.
                     let noted =
                         wire::append_headers(&head, &offsets, headers, wire::Keep::EndToEnd).map_err(|error| {
-                            UpstreamError::Protocol(match error {
-                                wire::BadHeader::Name => "a header name is not valid",
-                                wire::BadHeader::Value => "a header value is not valid",
-                            })
+                            UpstreamError::Refused(
+                                status,
+                                match error {
+                                    wire::BadHeader::Name => "a header name is not valid",
+                                    wire::BadHeader::Value => "a header value is not valid",
+                                },
+                            )
                         })?;
-                    let (framing, keep_alive) = framing(&response, &noted, head_only, minor)?;
+                    let (framing, keep_alive) =
+                        framing(&response, &noted, head_only, minor).map_err(|error| match error {
+                            UpstreamError::Protocol(why) => UpstreamError::Refused(status, why),
+                            other => other,
+                        })?;
                     let headers = response.headers_mut();
                     if !noted.plain_length()
                         && let Ok(Some(length)) = noted.content_length(headers)
@@ -745,12 +780,12 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                     return Ok((response, framing, keep_alive));
                 }
                 Ok(httparse::Status::Partial) => {}
-                Err(_) => return Err(UpstreamError::Protocol("the response head does not parse")),
+                Err(_) => return Err(refused(status_line(&conn.buf), "the response head does not parse")),
             }
         }
         // Not whole (it would have been parsed as its last line ended).
         if conn.buf.len() > MAX_HEAD {
-            return Err(UpstreamError::Protocol("the response head is too large"));
+            return Err(refused(status_line(&conn.buf), "the response head is too large"));
         }
         if conn.fill().await.map_err(UpstreamError::Io)? == 0 {
             return Err(UpstreamError::Io(io::Error::new(
