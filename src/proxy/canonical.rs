@@ -231,11 +231,8 @@ fn number(token: &[u8]) -> Option<String> {
         _ => (false, token),
     };
     let (mantissa, exponent) = match unsigned.iter().position(|b| matches!(b, b'e' | b'E')) {
-        Some(at) => (
-            &unsigned[..at],
-            std::str::from_utf8(&unsigned[at + 1..]).ok()?.parse::<i64>().ok()?,
-        ),
-        None => (unsigned, 0),
+        Some(at) => (&unsigned[..at], &unsigned[at + 1..]),
+        None => (unsigned, &b"0"[..]),
     };
     let (whole, fraction) = match mantissa.iter().position(|&b| b == b'.') {
         Some(at) => (&mantissa[..at], &mantissa[at + 1..]),
@@ -245,6 +242,8 @@ fn number(token: &[u8]) -> Option<String> {
     let Some(first) = digits.iter().position(|&d| d != b'0') else {
         return Some("0".to_owned());
     };
+    // Read only now: zero is zero, whatever its exponent.
+    let exponent: i64 = std::str::from_utf8(exponent).ok()?.parse().ok()?;
     let last = digits.iter().rposition(|&d| d != b'0').expect("a digit that is not 0");
     let significant = std::str::from_utf8(&digits[first..=last]).ok()?;
     // The value is `significant` times ten to the `scale`.
@@ -445,8 +444,10 @@ mod tests {
         }
         assert_eq!(canon("[100000000000000000001]"), "[1.00000000000000000001e20]");
         assert_eq!(canon("-9223372036854775809"), "-9.223372036854775809e18");
-        // An exponent past 64 bits is not read (the body's bytes are).
+        // An exponent past 64 bits is not read (the body's bytes are),
+        // unless the number is zero.
         assert!(parse(b"1e99999999999999999999").is_none());
+        assert_eq!(canon("[0e99999999999999999999, -0.0E-99999999999999999999]"), "[0,0]");
     }
 
     /// The form earlier versions gave a number, where it named that
