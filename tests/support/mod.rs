@@ -535,7 +535,10 @@ impl Binary {
                 .arg("--config")
                 .arg(config.path())
                 .stdout(std::process::Stdio::null())
-                .stderr(log.reopen().unwrap());
+                .stderr(log.reopen().unwrap())
+                // What it is up by is logged at INFO, whatever the test
+                // runner's own RUST_LOG (a test may set its own).
+                .env("RUST_LOG", "info");
             configure(&mut command);
             let mut binary = Binary {
                 addr: format!("127.0.0.1:{port}").parse().unwrap(),
