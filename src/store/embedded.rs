@@ -240,7 +240,9 @@ type Changes = KeyMap<[u8; 32], Option<Stored>>;
 
 /// Records the log holds and the file may not: `active` is being written,
 /// `frozen` is being checkpointed. Newer wins: active, then frozen, then
-/// the file.
+/// the file. Claims still held when their checkpoint lands are carried
+/// into `active` too: settling one never reads the file, which redb
+/// refuses to read after a failed write (see [`Shared::drain`]).
 #[derive(Default)]
 struct Overlay {
     active: Changes,
@@ -465,6 +467,23 @@ impl EmbeddedStore {
     }
 
     fn open_with(path: &Path, clock: Clock) -> Result<EmbeddedStore, StoreError> {
+        // A file that is not there, or is empty, is made anew. Beside the
+        // log segments of an earlier store it was lost (a restore gone
+        // wrong, a truncation), and a new one would forget every record
+        // the segments do not hold: retries of those would run again.
+        let fresh = match fs::metadata(path) {
+            Ok(metadata) => metadata.len() == 0,
+            Err(error) => error.kind() == std::io::ErrorKind::NotFound,
+        };
+        if fresh && !Wal::segments(path).map_err(unavailable)?.is_empty() {
+            let failure = format!(
+                "{} is missing or empty, but the log segments of an earlier store are beside it \
+                 ({}.*): restore the file with them, or remove them to start afresh",
+                path.display(),
+                Wal::named(path, "-wal").display()
+            );
+            return Err(StoreError::Unavailable(failure.into()));
+        }
         let db = Database::builder()
             .set_cache_size(CACHE_BYTES)
             .create(path)
@@ -495,6 +514,13 @@ impl EmbeddedStore {
                             None => table.remove(key),
                         }
                         .map_err(unavailable)?;
+                    }
+                    if let Some(offset) = Wal::damaged_at(&bytes, *n, chained) {
+                        tracing::error!(
+                            segment = %segment.display(),
+                            offset,
+                            "the embedded store's log is damaged: the entries after the damage in this segment are lost"
+                        );
                     }
                 }
             }
@@ -964,6 +990,30 @@ impl Wal {
         })
     }
 
+    /// Where the entries of segment `segment` end early, if they do: an
+    /// entry whose checksum fails followed by one whose checksum (chained
+    /// from it) passes is damage (a flipped bit, a bad block), not a torn
+    /// or stale tail, and the entries after it are not replayed.
+    fn damaged_at(bytes: &[u8], segment: u64, chained: bool) -> Option<usize> {
+        let read = |at: usize| -> Option<(usize, u32, &[u8])> {
+            let len = u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize;
+            let crc = u32::from_le_bytes(bytes.get(at + 4..at + 8)?.try_into().ok()?);
+            let body = bytes.get(at + 8..at + 8 + len).filter(|b| b.len() >= 33)?;
+            Some((len, crc, body))
+        };
+        let (mut at, mut link) = (0, chained.then_some(0));
+        while let Some((len, crc, body)) = read(at) {
+            let next = at + 8 + len;
+            if Wal::crc(segment, link, body) != crc {
+                let (_, after, body) = read(next)?;
+                return (Wal::crc(segment, chained.then_some(crc), body) == after).then_some(at);
+            }
+            link = link.map(|_| crc);
+            at = next;
+        }
+        None
+    }
+
     /// Writes `buf`, whose last entry's checksum is `link`, at the end of
     /// the log and syncs it.
     fn append(&mut self, buf: &[u8], link: u32) -> std::io::Result<()> {
@@ -1189,8 +1239,10 @@ impl Writer {
         let frozen = overlay.frozen.clone();
         drop(overlay);
         self.last_checkpoint = Instant::now();
-        if self.checkpoints.send((frozen, covered_below)).is_err() {
-            // Nothing would ever write the overlay into the file.
+        if self.checkpoints.send((frozen, covered_below)).is_err() && self.shared.draining.get().is_none() {
+            // Nothing would ever write the overlay into the file. (A file
+            // that failed as this checkpoint was handed over left the
+            // store draining: `frozen` stays in the overlay, and the log.)
             self.shared
                 .fail("the embedded store's checkpoint thread has stopped; restart to recover".into());
         }
@@ -1350,7 +1402,11 @@ impl Batch<'_> {
                     fingerprint: found,
                     outcome,
                 } => {
-                    if let Some(ttl) = refresh.filter(|_| found == *fingerprint && outcome.is_response()) {
+                    // Not while draining: the overlay holds what it logs
+                    // until a restart, and replays must not fill it.
+                    if let Some(ttl) = refresh.filter(|_| found == *fingerprint && outcome.is_response())
+                        && self.shared.draining.get().is_none()
+                    {
                         self.put(key, self.stamp.saturating_add(ttl), stored.record.clone());
                     }
                     Claim::Completed {
@@ -1368,6 +1424,16 @@ impl Batch<'_> {
         self.put(key, self.stamp.saturating_add(lease), record.into());
         Ok(Claim::Claimed)
     }
+}
+
+/// The live claims of the overlay's frozen part.
+fn held_claims(overlay: &Mutex<Overlay>, now: u64) -> Vec<([u8; 32], Stored)> {
+    let frozen = lock(overlay).frozen.clone();
+    let held = frozen.iter().filter_map(|(key, change)| {
+        let stored = change.as_ref()?;
+        (stored.deadline > now && stored.record.get(1) == Some(&codec::IN_FLIGHT)).then(|| (*key, stored.clone()))
+    });
+    held.collect()
 }
 
 /// Fails the store if the thread holding it panics: nothing else would
@@ -1434,9 +1500,17 @@ impl Checkpointer {
                     Err(error) => tracing::warn!(%error, "listing log segments failed"),
                 }
                 {
+                    // Looked for outside the lock: `frozen` changes no more.
+                    let held = held_claims(&self.shared.overlay, self.shared.clock.now());
                     let mut overlay = lock(&self.shared.overlay);
                     overlay.frozen = Arc::default();
                     overlay.generation += 1;
+                    for (key, stored) in held {
+                        if !overlay.active.contains_key(&key) {
+                            overlay.active_bytes += 8 + stored.record.len() + 64;
+                            overlay.active.insert(key, Some(stored));
+                        }
+                    }
                 }
                 self.shared.checkpointed.notify_all();
                 Wal::top_up(&self.path);
@@ -1641,6 +1715,44 @@ mod tests {
         assert_eq!(entries, vec![(&[9; 32], Some(&b"later"[..]))]);
     }
 
+    /// Damage inside a segment (a flipped bit) is told apart from a torn
+    /// or stale tail, which ends every segment but the newest.
+    #[test]
+    fn damage_inside_a_segment_is_found() {
+        for chained in [true, false] {
+            let (mut log, mut link) = (Vec::new(), 0);
+            let mut starts = Vec::new();
+            for i in 0..3u8 {
+                starts.push(log.len());
+                if chained {
+                    Wal::encode(&mut log, (5, &mut link), &[i; 32], Some(b"value"));
+                } else {
+                    let start = log.len();
+                    Wal::encode(&mut log, (5, &mut 0), &[i; 32], Some(b"value"));
+                    let crc = Wal::crc(5, None, &log[start + 8..]);
+                    log[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+                }
+            }
+            let whole = log.clone();
+            log.extend_from_slice(&[0; 64]);
+            assert_eq!(Wal::damaged_at(&log, 5, chained), None, "a zeroed tail");
+            assert_eq!(Wal::entries(&log, 5, chained).count(), 3);
+            // A torn last entry, then zeros or an older life's bytes.
+            let mut torn = whole[..starts[2] + 20].to_vec();
+            torn.extend_from_slice(&[0; 64]);
+            assert_eq!(Wal::damaged_at(&torn, 5, chained), None, "a torn tail");
+            assert_eq!(Wal::damaged_at(&whole, 6, chained), None, "another segment's entries");
+            let mut flipped = whole.clone();
+            flipped[starts[1] + 40] ^= 1;
+            assert_eq!(Wal::entries(&flipped, 5, chained).count(), 1);
+            assert_eq!(
+                Wal::damaged_at(&flipped, 5, chained),
+                Some(starts[1]),
+                "chained {chained}"
+            );
+        }
+    }
+
     #[test]
     fn segments_are_recycled_and_a_reopened_store_ignores_stale_entries() {
         let dir = tempfile::tempdir().unwrap();
@@ -1785,6 +1897,39 @@ mod tests {
         assert!(matches!(conflict.await.unwrap(), Claim::InFlight { .. }));
     }
 
+    /// A file lost (removed, or emptied) beside the log of an earlier store
+    /// is not made anew: the records already in it would be forgotten.
+    #[tokio::test]
+    async fn a_lost_file_beside_its_log_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("lost.redb");
+        let store = EmbeddedStore::open(&path).unwrap();
+        let (key, owner) = (RecordKey([30; 32]), Owner::new());
+        let claim = store.claim(&key, &Fingerprint([1; 32]), owner, Duration::from_secs(30), None);
+        assert_eq!(claim.await.unwrap(), Claim::Claimed);
+        drop(store);
+        // Once the writer has let go of the file.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while EmbeddedStore::open(&path).is_err() {
+            assert!(Instant::now() < deadline, "the file stayed locked");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+
+        fs::write(&path, b"").unwrap();
+        let Err(refused) = EmbeddedStore::open(&path) else {
+            panic!("an emptied file was made anew");
+        };
+        let refused = crate::telemetry::error_chain(&refused);
+        assert!(refused.contains("missing or empty"), "{refused}");
+        fs::remove_file(&path).unwrap();
+        assert!(EmbeddedStore::open(&path).is_err(), "a removed file was made anew");
+        // Without the segments, a new store it is.
+        for (_, segment) in Wal::segments(&path).unwrap() {
+            fs::remove_file(segment).unwrap();
+        }
+        assert!(EmbeddedStore::open(&path).is_ok());
+    }
+
     /// A store whose file cannot be written takes no new claims, but the
     /// claims it holds still settle into the log, which a restart replays:
     /// an answer given meanwhile is not run again after the restart.
@@ -1800,6 +1945,23 @@ mod tests {
             assert_eq!(claim.unwrap(), Claim::Claimed);
         }
 
+        // A checkpoint lands with both claims held: they stay in the
+        // overlay, so settling them never reads the file (which redb refuses
+        // to read after a failed write).
+        tokio::time::sleep(CHECKPOINT_EVERY + Duration::from_millis(50)).await;
+        assert!(store.renew(&done.0, done.1, lease).await.unwrap());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            {
+                let overlay = lock(&store.shared.overlay);
+                if overlay.generation > 0 {
+                    assert!(overlay.active.contains_key(&done.0.0) && overlay.active.contains_key(&released.0.0));
+                    break;
+                }
+            }
+            assert!(Instant::now() < deadline, "no checkpoint landed");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         store.shared.drain("a write to the file failed (in a test)".into());
         assert!(store.ping().await.is_err());
         let new = store.claim(&RecordKey([22; 32]), &fingerprint, Owner::new(), lease, None);
