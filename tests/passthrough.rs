@@ -415,6 +415,36 @@ methods = ["PUT"]
     assert_eq!(upstream.seen()[1].uri, "/files/a/../b");
 }
 
+/// Doubled slashes and `;` parameters, which some backends read away
+/// (nginx and Tomcat merge `//`; Tomcat and Jetty drop `;jsessionid=...`),
+/// are refused where they would take a request past its route, and go on
+/// as sent where both readings agree.
+#[tokio::test]
+async fn doubled_slashes_and_path_parameters_that_change_the_route_are_refused() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
+    let client = TestClient::default();
+    for path in [
+        "//v1/orders",
+        "/v1//orders",
+        "/v1/orders;jsessionid=1",
+        "/v1;x/orders",
+        "/v1/x;/../orders",
+    ] {
+        let answer = client.post(&proxy.url(path), path, "{}").await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{path}");
+        assert_eq!(answer.problem(), "bad-request", "{path}");
+    }
+    assert_eq!(upstream.hits(), 0);
+    // Elsewhere either way: passed through as sent.
+    for path in ["//static/a.css", "/static/a.css;v=2", "/v1/orders/"] {
+        let answer = client.send("GET", &proxy.url(path), &[], "").await;
+        assert_eq!(answer.status, StatusCode::CREATED, "{path}");
+    }
+    let seen: Vec<String> = upstream.seen().into_iter().map(|s| s.uri).collect();
+    assert_eq!(seen, ["//static/a.css", "/static/a.css;v=2", "/v1/orders/"]);
+}
+
 #[tokio::test]
 async fn shadow_mode_forwards_everything_and_counts_what_enforce_would_do() {
     let upstream = Upstream::created().await;

@@ -216,6 +216,33 @@ const PATH_AS_IS: [bool; 256] = {
     table
 };
 
+/// An absolute `path` as a backend may read it that reads it otherwise
+/// than as written: each segment's `;` parameters left out (Tomcat and
+/// Jetty read `/orders;jsessionid=1` as `/orders`), runs of `/` merged
+/// (nginx's `merge_slashes`, Tomcat), then `.` and `..` segments resolved
+/// ([`remove_dot_segments`]); `None` when it has none of those.
+pub fn as_backends_may_read(path: &str) -> Option<String> {
+    let bytes = path.as_bytes();
+    let doubled = |i: usize| bytes[i] == b'/' && bytes.get(i + 1) == Some(&b'/');
+    if !path.starts_with('/') || !(0..bytes.len()).any(|i| bytes[i] == b';' || doubled(i)) {
+        return remove_dot_segments(path);
+    }
+    let segments: Vec<&str> = path[1..]
+        .split('/')
+        .map(|segment| segment.split(';').next().unwrap_or_default())
+        .collect();
+    // Empty segments go, but for a last one: a trailing `/` stays.
+    let last = segments.len() - 1;
+    let kept: Vec<&str> = segments
+        .iter()
+        .enumerate()
+        .filter(|&(i, segment)| !segment.is_empty() || i == last)
+        .map(|(_, segment)| *segment)
+        .collect();
+    let merged = format!("/{}", kept.join("/"));
+    Some(remove_dot_segments(&merged).unwrap_or(merged))
+}
+
 /// An absolute `path` with its `.` and `..` segments resolved (RFC 3986
 /// §5.2.4: `/a/./b/../c` is `/a/c`, and `..` above the root stays at the
 /// root); `None` when it has none. Empty segments stay (`//` is not `/`).
@@ -281,6 +308,22 @@ mod tests {
             assert!(pattern.matches(&normalize(request)).is_some(), "{request}");
         }
         assert!(PathPattern::parse("/é").unwrap().matches(&normalize("/e")).is_none());
+    }
+
+    #[test]
+    fn paths_read_as_backends_may_read_them() {
+        for (path, read) in [
+            ("/v1/orders", None),
+            ("/v1/orders/", None),
+            ("/a/./b", Some("/a/b")),
+            ("/v1//orders", Some("/v1/orders")),
+            ("//", Some("/")),
+            ("/a;b/c;d=1/", Some("/a/c/")),
+            ("/a//../b", Some("/b")),
+            ("/a;x=/../b", Some("/b")),
+        ] {
+            assert_eq!(as_backends_may_read(path).as_deref(), read, "{path}");
+        }
     }
 
     #[test]

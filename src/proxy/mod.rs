@@ -318,23 +318,28 @@ impl Gateway {
             .map(|host| host.trim_end_matches('.'));
         // Matched as RFC 3986 normalizes it: `/v1/%6Frders` is `/v1/orders`,
         // and `/x/%2E%2E/v1/orders` is `/v1/orders` to a backend that
-        // resolves dot segments but `/x/../v1/orders` to one that does not:
-        // when the two go to different places, the request is refused
-        // rather than let past a route either way.
+        // resolves dot segments but `/x/../v1/orders` to one that does not
+        // (so are `//v1/orders` and `/v1/orders;a=b` to some): when the
+        // two go to different places, the request is refused rather than
+        // let past a route either way.
         let decoded = crate::config::decode_unreserved(request.uri().path());
         let as_written = self.route_by(host, &decoded, request.method());
-        match crate::config::remove_dot_segments(&decoded) {
-            None => as_written,
-            Some(resolved) => {
-                let routed = self.route_by(host, &resolved, request.method());
-                if routed.same_place(&as_written) {
-                    routed
-                } else {
-                    Routed::Refused(
-                        "the path's `.` or `..` segments lead elsewhere than its segments as written; send it with them resolved",
-                    )
-                }
-            }
+        let Some(read) = crate::config::as_backends_may_read(&decoded) else {
+            return as_written;
+        };
+        let routed = self.route_by(host, &read, request.method());
+        if !routed.same_place(&as_written) {
+            return Routed::Refused(
+                "the path read as backends may read it (`.` and `..` resolved, `//` merged, `;` parameters left out) \
+                 leads elsewhere than as written; send it in that form",
+            );
+        }
+        // The same place: parameters are read from the path with its dot
+        // segments resolved, as before `//` and `;` were looked at.
+        if decoded.contains(';') || decoded.contains("//") {
+            as_written
+        } else {
+            routed
         }
     }
 
