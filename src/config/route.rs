@@ -216,16 +216,17 @@ const PATH_AS_IS: [bool; 256] = {
     table
 };
 
-/// An absolute `path` as a backend may read it that reads it otherwise
-/// than as written: each segment's `;` parameters left out (Tomcat and
-/// Jetty read `/orders;jsessionid=1` as `/orders`), runs of `/` merged
-/// (nginx's `merge_slashes`, Tomcat), then `.` and `..` segments resolved
-/// ([`remove_dot_segments`]); `None` when it has none of those.
+/// An absolute `path` as some backends read it when it holds `;` or
+/// `//`: each segment's `;` parameters left out (Tomcat and Jetty read
+/// `/orders;jsessionid=1` as `/orders`), runs of `/` merged (nginx's
+/// `merge_slashes`, Tomcat), then `.` and `..` segments resolved
+/// ([`remove_dot_segments`]); `None` when it holds neither. (Other
+/// backends resolve the dots of the path as written: a reading of its own.)
 pub fn as_backends_may_read(path: &str) -> Option<String> {
     let bytes = path.as_bytes();
     let doubled = |i: usize| bytes[i] == b'/' && bytes.get(i + 1) == Some(&b'/');
     if !path.starts_with('/') || !(0..bytes.len()).any(|i| bytes[i] == b';' || doubled(i)) {
-        return remove_dot_segments(path);
+        return None;
     }
     let segments: Vec<&str> = path[1..]
         .split('/')
@@ -315,7 +316,7 @@ mod tests {
         for (path, read) in [
             ("/v1/orders", None),
             ("/v1/orders/", None),
-            ("/a/./b", Some("/a/b")),
+            ("/a/./b", None),
             ("/v1//orders", Some("/v1/orders")),
             ("//", Some("/")),
             ("/a;b/c;d=1/", Some("/a/c/")),

@@ -324,22 +324,28 @@ impl Gateway {
         // let past a route either way.
         let decoded = crate::config::decode_unreserved(request.uri().path());
         let as_written = self.route_by(host, &decoded, request.method());
-        let Some(read) = crate::config::as_backends_may_read(&decoded) else {
+        let resolved = crate::config::remove_dot_segments(&decoded);
+        let read = crate::config::as_backends_may_read(&decoded);
+        if resolved.is_none() && read.is_none() {
             return as_written;
-        };
-        let routed = self.route_by(host, &read, request.method());
-        if !routed.same_place(&as_written) {
-            return Routed::Refused(
-                "the path read as backends may read it (`.` and `..` resolved, `//` merged, `;` parameters left out) \
-                 leads elsewhere than as written; send it in that form",
-            );
+        }
+        // Every reading must go where the path as written goes.
+        let mut routed = None;
+        for reading in [&resolved, &read].into_iter().flatten() {
+            let elsewhere = self.route_by(host, reading, request.method());
+            if !elsewhere.same_place(&as_written) {
+                return Routed::Refused(
+                    "the path read as backends may read it (`.` and `..` resolved, `//` merged, `;` parameters left \
+                     out) leads elsewhere than as written; send it in that form",
+                );
+            }
+            routed.get_or_insert(elsewhere);
         }
         // The same place: parameters are read from the path with its dot
         // segments resolved, as before `//` and `;` were looked at.
-        if decoded.contains(';') || decoded.contains("//") {
-            as_written
-        } else {
-            routed
+        match (resolved, read) {
+            (Some(_), None) => routed.expect("one reading, looked at"),
+            _ => as_written,
         }
     }
 
