@@ -74,9 +74,10 @@ fn index(token: &str) -> Option<usize> {
     token.parse().ok()
 }
 
-/// A JSON text as a value; `None` when it is not JSON, when an object in it
-/// names a member twice, or when a number's exponent is past what 64 bits
-/// hold. RFC 8785 canonicalizes I-JSON (RFC 7493), which has no such
+/// A JSON text as a value; `None` when it is not JSON (to `serde_json`,
+/// which refuses a number past an f64's range, `1e400`), when an object in
+/// it names a member twice, or when a number's exponent is past what 64
+/// bits hold. RFC 8785 canonicalizes I-JSON (RFC 7493), which has no such
 /// objects: which of the two a backend reads is its own choice, and
 /// `serde_json` keeps the last, so `{"amount":1,"amount":100}` would
 /// fingerprint (or derive a key) as `{"amount":100}` whatever the backend

@@ -687,8 +687,10 @@ fn refused(status: Option<StatusCode>, why: &'static str) -> UpstreamError {
 fn status_line(buf: &[u8]) -> Option<StatusCode> {
     let rest = buf.strip_prefix(b"HTTP/1.")?;
     let (minor, rest) = rest.split_first()?;
-    let code = rest.strip_prefix(b" ")?.get(..3)?;
-    if !minor.is_ascii_digit() || !code.iter().all(u8::is_ascii_digit) {
+    let rest = rest.strip_prefix(b" ")?;
+    let code = rest.get(..3)?;
+    let ended = rest.get(3).is_none_or(|b| matches!(b, b' ' | b'\r' | b'\n'));
+    if !minor.is_ascii_digit() || !code.iter().all(u8::is_ascii_digit) || !ended {
         return None;
     }
     StatusCode::from_bytes(code).ok()
@@ -964,6 +966,23 @@ impl Body for UpstreamResponseBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_head_begins_with_a_status_or_does_not() {
+        for (head, status) in [
+            (&b"HTTP/1.1 201 Created\r\n"[..], Some(201)),
+            (b"HTTP/1.0 429\r\n", Some(429)),
+            (b"HTTP/1.1 503", Some(503)),
+            (b"HTTP/1.1 2011 X\r\n", None),
+            (b"HTTP/1.1 20x\r\n", None),
+            (b"HTTP/2.0 200\r\n", None),
+            (b"SSH-2.0-OpenSSH_9.6\r\n", None),
+            (b"HTTP/1.1  200\r\n", None),
+        ] {
+            let found = status_line(head).map(|s| s.as_u16());
+            assert_eq!(found, status, "{}", String::from_utf8_lossy(head));
+        }
+    }
 
     /// An address that drops connection attempts: a listener whose accept
     /// queue is full (never accepted from), kept alive with its queue.
