@@ -487,6 +487,7 @@ async fn serve_h2<S>(
                 if head_only {
                     head_answer(&mut response);
                 }
+                no_content_length(&mut response);
                 // Open until its body has been handed to hyper whole (or dropped).
                 Ok::<_, Infallible>(response.map(|body| Tracked::new(body, open)))
             }
@@ -550,6 +551,16 @@ fn head_answer(response: &mut http::Response<ResponseBody>) {
             .or_insert_with(|| n.into());
     }
     *response.body_mut() = ResponseBody::empty();
+}
+
+/// Drops a 204's `Content-Length`, as HTTP/1.1's writer does: RFC 9110
+/// §8.6 allows none, and an HTTP/2 client resets a stream that has one
+/// above 0. (Answers are read without one; a record kept by an earlier
+/// version may still hold it.)
+fn no_content_length(response: &mut http::Response<ResponseBody>) {
+    if response.status() == http::StatusCode::NO_CONTENT {
+        response.headers_mut().remove(http::header::CONTENT_LENGTH);
+    }
 }
 
 /// Runs an HTTP/2 connection's streams as tasks the drain waits for, as it
@@ -766,6 +777,21 @@ mod tests {
     fn server(toml: &str) -> crate::config::ServerConfig {
         let text = format!("[server]\n{toml}\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n");
         Config::parse(&text, "t.toml").unwrap_or_else(|e| panic!("{e}")).server
+    }
+
+    #[test]
+    fn an_http2_204_has_no_content_length() {
+        for (status, kept) in [(204, false), (200, true), (304, true)] {
+            let mut response = http::Response::new(ResponseBody::empty());
+            *response.status_mut() = http::StatusCode::from_u16(status).unwrap();
+            response.headers_mut().insert(http::header::CONTENT_LENGTH, 5.into());
+            no_content_length(&mut response);
+            assert_eq!(
+                response.headers().contains_key(http::header::CONTENT_LENGTH),
+                kept,
+                "{status}"
+            );
+        }
     }
 
     #[test]
