@@ -325,7 +325,13 @@ fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
                     }
                 };
                 if let Err(error) = server::check(&config) {
-                    tracing::error!("reload refused, the running configuration stays: {error:#}");
+                    // With its causes (a CA file that cannot be read, and
+                    // why), and the file, as at start.
+                    let error = idemgate::telemetry::error_chain(&error);
+                    tracing::error!(
+                        "reload refused, the running configuration stays: {}: {error}",
+                        path.display()
+                    );
                     continue;
                 }
                 for warning in idemgate::config::warnings(&config) {
@@ -335,6 +341,7 @@ fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
                 // refuses for all of them.
                 for reloader in &reloaders {
                     if let Err(error) = reloader.apply(config.clone()) {
+                        let error = idemgate::telemetry::error_chain(&error);
                         tracing::error!("reload refused, the running configuration stays: {error}");
                         break;
                     }

@@ -257,6 +257,26 @@ async fn sighup_reloads_the_file_and_keeps_the_old_one_when_the_new_is_broken() 
         client.post(&gate.url("/v1/orders"), "k2", "").await.replayed(),
         "the old configuration stays"
     );
+    // A file that parses but names a CA that is not there: refused, and
+    // the log says which file and why, as at start.
+    let ca = gate.config_path().with_extension("missing-ca.pem");
+    let broken = original.replace("[upstream]\n", &format!("[upstream]\nca = \"{}\"\n", ca.display()));
+    assert_ne!(broken, original);
+    std::fs::write(gate.config_path(), broken).unwrap();
+    gate.signal("HUP");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !gate.log().contains("missing-ca.pem") {
+        assert!(tokio::time::Instant::now() < deadline, "{}", gate.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let log = gate.log();
+    let line = log.lines().find(|l| l.contains("missing-ca.pem")).unwrap();
+    assert!(
+        line.contains("reload refused") && line.contains("upstream.ca"),
+        "{line}"
+    );
+    assert!(line.contains(&gate.config_path().display().to_string()), "{line}");
+    assert!(client.post(&gate.url("/v1/orders"), "k2", "").await.replayed());
 
     gate.signal("TERM");
     let status = gate.wait(Duration::from_secs(10)).expect("SIGTERM stops the process");
@@ -361,6 +381,16 @@ async fn a_shutdown_past_its_grace_records_requests_that_may_have_been_sent_as_u
     assert_eq!(upstream.hits(), 1);
 }
 
+/// What `addr` answers the bytes `wire` on a connection of their own.
+async fn exchange_raw(addr: std::net::SocketAddr, wire: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(wire.as_bytes()).await.unwrap();
+    let mut seen = Vec::new();
+    stream.read_to_end(&mut seen).await.unwrap();
+    String::from_utf8_lossy(&seen).into_owned()
+}
+
 /// Without a token, a loopback admin listener answers /records only to
 /// requests for this machine: a web page whose name was rebound to
 /// 127.0.0.1 sends its own name as the host, and could purge otherwise.
@@ -396,19 +426,20 @@ async fn a_tokenless_records_page_answers_only_requests_for_this_machine() {
         ("http://evil.example/records?route=orders&key=k1", "localhost"),
         ("http://localhost/records?route=orders&key=k1", "localhost"),
     ] {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut stream = tokio::net::TcpStream::connect(admin).await.unwrap();
         let wire = format!("GET {target} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n");
-        stream.write_all(wire.as_bytes()).await.unwrap();
-        let mut seen = Vec::new();
-        stream.read_to_end(&mut seen).await.unwrap();
-        let seen = String::from_utf8_lossy(&seen);
+        let seen = exchange_raw(admin, &wire).await;
         let want = if target.contains("evil") {
             "HTTP/1.1 403"
         } else {
             "HTTP/1.1 404"
         };
         assert!(seen.starts_with(want), "{target}: {seen}");
+    }
+    // Two Host fields are an error (RFC 9112 §3.2), whichever comes first.
+    for hosts in ["localhost\r\nhost: evil.example", "evil.example\r\nhost: localhost"] {
+        let wire = format!("GET /records?route=orders&key=k1 HTTP/1.1\r\nhost: {hosts}\r\nconnection: close\r\n\r\n");
+        let seen = exchange_raw(admin, &wire).await;
+        assert!(seen.starts_with("HTTP/1.1 400"), "{hosts}: {seen}");
     }
     // The other pages tell nothing a page could misuse.
     let metrics = format!("http://{admin}/metrics");

@@ -126,6 +126,15 @@ async fn answer(
     metrics: &Metrics,
     phase: Phase,
 ) -> Response<ResponseBody> {
+    // Two are an error (RFC 9112 §3.2), as on the proxy's listener; and
+    // `/records` reads the one, to tell a page rebound to 127.0.0.1.
+    if request.headers().get_all(http::header::HOST).iter().nth(1).is_some() {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "bad-request",
+            "a request carries one Host field",
+        );
+    }
     if request.uri().path() == "/records" {
         return records(&request, gateway).await;
     }
