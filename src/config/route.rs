@@ -216,32 +216,50 @@ const PATH_AS_IS: [bool; 256] = {
     table
 };
 
-/// An absolute `path` as some backends read it when it holds `;` or
-/// `//`: each segment's `;` parameters left out (Tomcat and Jetty read
-/// `/orders;jsessionid=1` as `/orders`), runs of `/` merged (nginx's
-/// `merge_slashes`, Tomcat), then `.` and `..` segments resolved
-/// ([`remove_dot_segments`]); `None` when it holds neither. (Other
-/// backends resolve the dots of the path as written: a reading of its own.)
-pub fn as_backends_may_read(path: &str) -> Option<String> {
+/// The readings of an absolute `path` that some backend may make of it,
+/// other than as written: with its `.` and `..` segments resolved
+/// ([`remove_dot_segments`], first), and, when it holds `;` or `//`,
+/// with each segment's `;` parameters left out (Tomcat and Jetty read
+/// `/orders;jsessionid=1` as `/orders`), or runs of `/` merged (nginx's
+/// `merge_slashes`, Tomcat), or both, each then with its dots resolved.
+/// Empty when there is none.
+pub fn as_backends_may_read(path: &str) -> Vec<String> {
+    let mut readings = Vec::new();
+    if let Some(resolved) = remove_dot_segments(path) {
+        readings.push(resolved);
+    }
     let bytes = path.as_bytes();
     let doubled = |i: usize| bytes[i] == b'/' && bytes.get(i + 1) == Some(&b'/');
     if !path.starts_with('/') || !(0..bytes.len()).any(|i| bytes[i] == b';' || doubled(i)) {
-        return None;
+        return readings;
     }
-    let segments: Vec<&str> = path[1..]
-        .split('/')
-        .map(|segment| segment.split(';').next().unwrap_or_default())
-        .collect();
-    // Empty segments go, but for a last one: a trailing `/` stays.
-    let last = segments.len() - 1;
-    let kept: Vec<&str> = segments
-        .iter()
-        .enumerate()
-        .filter(|&(i, segment)| !segment.is_empty() || i == last)
-        .map(|(_, segment)| *segment)
-        .collect();
-    let merged = format!("/{}", kept.join("/"));
-    Some(remove_dot_segments(&merged).unwrap_or(merged))
+    for (strip, merge) in [(true, false), (false, true), (true, true)] {
+        let segments: Vec<&str> = path[1..]
+            .split('/')
+            .map(|segment| {
+                if strip {
+                    segment.split(';').next().unwrap_or_default()
+                } else {
+                    segment
+                }
+            })
+            .collect();
+        // Merged, empty segments go, but for a last one: a trailing `/`
+        // stays.
+        let last = segments.len() - 1;
+        let kept: Vec<&str> = segments
+            .iter()
+            .enumerate()
+            .filter(|&(i, segment)| !merge || !segment.is_empty() || i == last)
+            .map(|(_, segment)| *segment)
+            .collect();
+        let read = format!("/{}", kept.join("/"));
+        let read = remove_dot_segments(&read).unwrap_or(read);
+        if read != path && !readings.contains(&read) {
+            readings.push(read);
+        }
+    }
+    readings
 }
 
 /// An absolute `path` with its `.` and `..` segments resolved (RFC 3986
@@ -313,17 +331,27 @@ mod tests {
 
     #[test]
     fn paths_read_as_backends_may_read_them() {
-        for (path, read) in [
-            ("/v1/orders", None),
-            ("/v1/orders/", None),
-            ("/a/./b", None),
-            ("/v1//orders", Some("/v1/orders")),
-            ("//", Some("/")),
-            ("/a;b/c;d=1/", Some("/a/c/")),
-            ("/a//../b", Some("/b")),
-            ("/a;x=/../b", Some("/b")),
+        for (path, readings) in [
+            ("/v1/orders", &[][..]),
+            ("/v1/orders/", &[]),
+            ("/a/./b", &["/a/b"]),
+            ("/v1//orders", &["/v1/orders"]),
+            ("//", &["/"]),
+            ("/a;b/c;d=1/", &["/a/c/"]),
+            ("/a//../b", &["/a/b", "/b"]),
+            ("/a;x=/../b", &["/b"]),
+            // Each of `;` and `//` on its own too: nginx merges, Jetty
+            // drops parameters, Tomcat does both.
+            (
+                "/v1/;//../orders",
+                &["/v1/;/orders", "/v1//orders", "/v1/orders", "/orders"],
+            ),
+            (
+                "/v1//../orders;q",
+                &["/v1/orders;q", "/v1/orders", "/orders;q", "/orders"],
+            ),
         ] {
-            assert_eq!(as_backends_may_read(path).as_deref(), read, "{path}");
+            assert_eq!(as_backends_may_read(path), readings, "{path}");
         }
     }
 

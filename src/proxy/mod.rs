@@ -126,7 +126,9 @@ impl Routed<'_> {
     fn same_place(&self, other: &Routed<'_>) -> bool {
         match (self, other) {
             (Routed::Idempotent(a, _), Routed::Idempotent(b, _)) => Arc::ptr_eq(a, b),
-            (Routed::PassThrough(a), Routed::PassThrough(b)) => std::ptr::eq(*a, *b),
+            // By value: each route keeps its own copy of its upstream's
+            // URL, the default one's too.
+            (Routed::PassThrough(a), Routed::PassThrough(b)) => a == b,
             _ => false,
         }
     }
@@ -324,14 +326,13 @@ impl Gateway {
         // let past a route either way.
         let decoded = crate::config::decode_unreserved(request.uri().path());
         let as_written = self.route_by(host, &decoded, request.method());
-        let resolved = crate::config::remove_dot_segments(&decoded);
-        let read = crate::config::as_backends_may_read(&decoded);
-        if resolved.is_none() && read.is_none() {
+        let readings = crate::config::as_backends_may_read(&decoded);
+        if readings.is_empty() {
             return as_written;
         }
         // Every reading must go where the path as written goes.
-        let mut routed = None;
-        for reading in [&resolved, &read].into_iter().flatten() {
+        let mut routed = Vec::with_capacity(readings.len());
+        for reading in &readings {
             let elsewhere = self.route_by(host, reading, request.method());
             if !elsewhere.same_place(&as_written) {
                 return Routed::Refused(
@@ -339,13 +340,15 @@ impl Gateway {
                      out) leads elsewhere than as written; send it in that form",
                 );
             }
-            routed.get_or_insert(elsewhere);
+            routed.push(elsewhere);
         }
         // The same place: parameters are read from the path with its dot
-        // segments resolved, as before `//` and `;` were looked at.
-        match (resolved, read) {
-            (Some(_), None) => routed.expect("one reading, looked at"),
-            _ => as_written,
+        // segments resolved (the first reading), as before `//` and `;`
+        // were looked at.
+        if decoded.contains(';') || decoded.contains("//") {
+            as_written
+        } else {
+            routed.swap_remove(0)
         }
     }
 
