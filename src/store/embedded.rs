@@ -519,7 +519,7 @@ impl EmbeddedStore {
                         tracing::error!(
                             segment = %segment.display(),
                             offset,
-                            "the embedded store's log is damaged: the entries after the damage in this segment are lost"
+                            "the embedded store's log is damaged (or an append was cut short by a power loss): the entries after this offset in this segment are not replayed"
                         );
                     }
                 }
@@ -990,10 +990,15 @@ impl Wal {
         })
     }
 
-    /// Where the entries of segment `segment` end early, if they do: an
-    /// entry whose checksum fails followed by one whose checksum (chained
-    /// from it) passes is damage (a flipped bit, a bad block), not a torn
-    /// or stale tail, and the entries after it are not replayed.
+    /// Where the entries of segment `segment` end early, if they can be
+    /// seen to: an entry whose checksum fails followed by one whose
+    /// checksum, chained from it (from the checksum it holds, or the one
+    /// its value should have had), passes is likely damage (a flipped bit
+    /// in its value or checksum), and the entries after it are not
+    /// replayed. It may also be an append a power cut left half on disk
+    /// (its pages written out of order), or a segment's earlier life
+    /// restored from a backup beneath this one. Damage to an entry's
+    /// length, or over more than one entry, looks like a torn end.
     fn damaged_at(bytes: &[u8], segment: u64, chained: bool) -> Option<usize> {
         let read = |at: usize| -> Option<(usize, u32, &[u8])> {
             let len = u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize;
@@ -1004,9 +1009,11 @@ impl Wal {
         let (mut at, mut link) = (0, chained.then_some(0));
         while let Some((len, crc, body)) = read(at) {
             let next = at + 8 + len;
-            if Wal::crc(segment, link, body) != crc {
-                let (_, after, body) = read(next)?;
-                return (Wal::crc(segment, chained.then_some(crc), body) == after).then_some(at);
+            let expected = Wal::crc(segment, link, body);
+            if expected != crc {
+                let (_, after, next_body) = read(next)?;
+                let chained_from = |link: u32| Wal::crc(segment, chained.then_some(link), next_body) == after;
+                return (chained_from(crc) || chained_from(expected)).then_some(at);
             }
             link = link.map(|_| crc);
             at = next;
@@ -1742,14 +1749,17 @@ mod tests {
             torn.extend_from_slice(&[0; 64]);
             assert_eq!(Wal::damaged_at(&torn, 5, chained), None, "a torn tail");
             assert_eq!(Wal::damaged_at(&whole, 6, chained), None, "another segment's entries");
-            let mut flipped = whole.clone();
-            flipped[starts[1] + 40] ^= 1;
-            assert_eq!(Wal::entries(&flipped, 5, chained).count(), 1);
-            assert_eq!(
-                Wal::damaged_at(&flipped, 5, chained),
-                Some(starts[1]),
-                "chained {chained}"
-            );
+            // A bit of a value, or of a checksum.
+            for at in [starts[1] + 40, starts[1] + 5] {
+                let mut flipped = whole.clone();
+                flipped[at] ^= 1;
+                assert_eq!(Wal::entries(&flipped, 5, chained).count(), 1);
+                assert_eq!(
+                    Wal::damaged_at(&flipped, 5, chained),
+                    Some(starts[1]),
+                    "chained {chained}, at {at}"
+                );
+            }
         }
     }
 
