@@ -342,7 +342,10 @@ fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
                 for reloader in &reloaders {
                     if let Err(error) = reloader.apply(config.clone()) {
                         let error = idemgate::telemetry::error_chain(&error);
-                        tracing::error!("reload refused, the running configuration stays: {error}");
+                        tracing::error!(
+                            "reload refused, the running configuration stays: {}: {error}",
+                            path.display()
+                        );
                         break;
                     }
                 }
