@@ -550,15 +550,37 @@ fn check_warns_of_a_lease_a_slow_store_could_outlast() {
          [[route]]\nname = \"ok\"\npath = \"/ok\"\nlock_timeout = \"3s\"\n\
          [[route]]\nname = \"short\"\npath = \"/short\"\nlock_timeout = \"2s\"\n",
     );
+    let warning = the_one_warning_of_check(&path);
+    assert!(
+        warning.contains("route[1] short: lock_timeout 2s is under three times store.timeout (1s)"),
+        "{warning}"
+    );
+}
+
+/// The one warning `idemgate check` prints for the file at `path`, which
+/// it passes.
+fn the_one_warning_of_check(path: &std::path::Path) -> String {
     let output = idemgate(&["check", "--config", path.to_str().unwrap()]);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let stdout = String::from_utf8_lossy(&output.stdout);
     let warnings: Vec<_> = stdout.lines().filter(|l| l.starts_with("warning: ")).collect();
     assert_eq!(warnings.len(), 1, "{stdout}");
-    assert!(
-        warnings[0].contains("route[1] short: lock_timeout 2s is under three times store.timeout (1s)"),
-        "{stdout}"
+    warnings[0].to_owned()
+}
+
+/// A route whose path holds `;` or `//` could never be reached: a request
+/// for it reads elsewhere as some backends read it, and is refused. `check`
+/// says so.
+#[test]
+fn check_warns_of_a_route_no_request_can_reach() {
+    let path = temp_file(
+        "unreachable.toml",
+        "[upstream]\nurl = \"http://127.0.0.1:1\"\n\
+         [[route]]\nname = \"matrix\"\npath = \"/v1/items;v=2\"\n\
+         [[route]]\nname = \"ok\"\npath = \"/v1/orders\"\n",
     );
+    let warning = the_one_warning_of_check(&path);
+    assert!(warning.contains("route[0] matrix: path holds `;` or `//`"), "{warning}");
 }
 
 #[test]

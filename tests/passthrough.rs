@@ -437,6 +437,8 @@ async fn doubled_slashes_and_path_parameters_that_change_the_route_are_refused()
         // Only `//` merged (nginx), or only `;` dropped (Jetty).
         "/v1/;//../orders",
         "/v1//../orders;q",
+        // Dots resolved first, then `//` merged.
+        "/v1//..//orders",
     ] {
         let answer = client.post(&proxy.url(path), path, "{}").await;
         assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{path}");

@@ -427,7 +427,7 @@ fn size(bytes: u64) -> String {
 pub fn warnings(config: &Config) -> Vec<String> {
     let d = |d: Duration| humantime::format_duration(d).to_string();
     let store_timeout = config.store.timeout;
-    config
+    let leases = config
         .routes
         .iter()
         .enumerate()
@@ -441,8 +441,25 @@ pub fn warnings(config: &Config) -> Vec<String> {
                 d(route.policy.lock_timeout),
                 d(store_timeout),
             )
+        });
+    // A request for such a path reads elsewhere with `;` dropped or `//`
+    // merged, as some backends read it, and is refused (400).
+    let unreachable = config
+        .routes
+        .iter()
+        .enumerate()
+        .filter(|(_, route)| {
+            let path = route.path.to_string();
+            path.contains(';') || path.contains("//")
         })
-        .collect()
+        .map(|(i, route)| {
+            format!(
+                "route[{i}] {}: path holds `;` or `//`: a request for it reads elsewhere as some \
+                 backends read it (parameters dropped, slashes merged) and is refused with 400",
+                route.name,
+            )
+        });
+    leases.chain(unreachable).collect()
 }
 
 /// The effective routes, one block each, as `idemgate check` prints them,

@@ -233,33 +233,43 @@ pub fn as_backends_may_read(path: &str) -> Vec<String> {
     if !path.starts_with('/') || !(0..bytes.len()).any(|i| bytes[i] == b';' || doubled(i)) {
         return readings;
     }
-    for (strip, merge) in [(true, false), (false, true), (true, true)] {
-        let segments: Vec<&str> = path[1..]
-            .split('/')
-            .map(|segment| {
-                if strip {
-                    segment.split(';').next().unwrap_or_default()
-                } else {
-                    segment
-                }
-            })
-            .collect();
-        // Merged, empty segments go, but for a last one: a trailing `/`
-        // stays.
-        let last = segments.len() - 1;
-        let kept: Vec<&str> = segments
-            .iter()
-            .enumerate()
-            .filter(|&(i, segment)| !merge || !segment.is_empty() || i == last)
-            .map(|(_, segment)| *segment)
-            .collect();
-        let read = format!("/{}", kept.join("/"));
-        let read = remove_dot_segments(&read).unwrap_or(read);
-        if read != path && !readings.contains(&read) {
-            readings.push(read);
+    // Each transformed as written, and after its dots are resolved (as a
+    // backend that resolves them first would: `/v1//..//orders` is
+    // `/v1//orders`, then `/v1/orders`), then its dots resolved.
+    let resolved_first = readings.first().cloned();
+    for from in [Some(path.to_owned()), resolved_first].into_iter().flatten() {
+        for (strip, merge) in [(true, false), (false, true), (true, true)] {
+            let read = transformed(&from, strip, merge);
+            let read = remove_dot_segments(&read).unwrap_or(read);
+            if read != path && !readings.contains(&read) {
+                readings.push(read);
+            }
         }
     }
     readings
+}
+
+/// `path` with each segment's `;` parameters left out (`strip`), and runs
+/// of `/` merged (`merge`; a trailing `/` stays).
+fn transformed(path: &str, strip: bool, merge: bool) -> String {
+    let segments: Vec<&str> = path[1..]
+        .split('/')
+        .map(|segment| {
+            if strip {
+                segment.split(';').next().unwrap_or_default()
+            } else {
+                segment
+            }
+        })
+        .collect();
+    let last = segments.len() - 1;
+    let kept: Vec<&str> = segments
+        .iter()
+        .enumerate()
+        .filter(|&(i, segment)| !merge || !segment.is_empty() || i == last)
+        .map(|(_, segment)| *segment)
+        .collect();
+    format!("/{}", kept.join("/"))
 }
 
 /// An absolute `path` with its `.` and `..` segments resolved (RFC 3986
@@ -350,6 +360,8 @@ mod tests {
                 "/v1//../orders;q",
                 &["/v1/orders;q", "/v1/orders", "/orders;q", "/orders"],
             ),
+            // Dots resolved first, then `//` merged.
+            ("/v1//..//orders", &["/v1//orders", "/orders", "/v1/orders"]),
         ] {
             assert_eq!(as_backends_may_read(path), readings, "{path}");
         }
