@@ -526,9 +526,9 @@ async fn http2_clients_get_no_trailers_first_time_or_on_replay() {
     }
 }
 
-/// A 204 that declares a body's length: the length is dropped (RFC 9110
-/// §8.6), from the record too, or an HTTP/2 client resets the stream,
-/// first time and on every replay.
+/// A 204 that declares a body's length: the length is dropped as it is
+/// written (RFC 9110 §8.6), or an HTTP/2 client resets the stream, first
+/// time and on every replay.
 #[tokio::test]
 async fn a_204s_content_length_reaches_no_client() {
     use http_body_util::BodyExt;

@@ -28,7 +28,7 @@ use tokio_util::task::TaskTracker;
 
 use super::body::{BodySender, ClientBody, ResponseBody};
 use super::problem::Problem;
-use super::upstream::OnStale;
+use super::upstream::{OnStale, UpstreamError};
 use super::{Context, LiveRoute};
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
 use crate::store::{Fingerprint, Outcome, Owner, Record, RecordKey, StoreHandle, StoredResponse};
@@ -570,7 +570,7 @@ impl Exchange {
                 let _ = reply.send(Problem::UpstreamUnavailable("the upstream cannot be reached".into()).response());
                 return;
             }
-            Some(Err(error)) if error.answered().is_some() => {
+            Some(Err(error @ UpstreamError::Refused(status, _))) => {
                 // The backend answered, so it had the request: whatever it
                 // did is done, and running it again on a retry (as a
                 // released key would) could do it twice. The key is kept
@@ -579,11 +579,8 @@ impl Exchange {
                 // status says the backend did not act, or is a 5xx the
                 // route releases, as a well-formed answer's would be.
                 counters.count(TelemetryOutcome::UpstreamError);
-                let status = error.answered().expect("checked in the guard");
-                let release = not_acted_on(status)
-                    || status.is_server_error() && policy.on_server_error == OnServerError::Release;
                 let error = error_chain(&error);
-                if release {
+                if released(status, policy) {
                     tracing::warn!(route = %live.route.name, key = %key.tag(), error, "the upstream's answer cannot be passed on");
                     guard.release().await;
                     let problem = Problem::UpstreamUnavailable("the upstream's answer cannot be passed on".into());
@@ -613,8 +610,7 @@ impl Exchange {
         };
 
         let (head, mut body) = response.into_parts();
-        let keep = !(not_acted_on(head.status)
-            || head.status.is_server_error() && policy.on_server_error == OnServerError::Release);
+        let keep = !released(head.status, policy);
         let limit = usize::try_from(policy.max_response_body).unwrap_or(usize::MAX);
         let status = head.status;
 
@@ -839,6 +835,13 @@ fn abort(client: Option<BodySender>, why: &'static str) {
 /// result for a request that never began executing.)
 fn not_acted_on(status: http::StatusCode) -> bool {
     matches!(status.as_u16(), 408 | 425 | 429)
+}
+
+/// Whether an answer of `status` releases its key rather than being
+/// recorded: the backend did not act on it ([`not_acted_on`]), or it is a
+/// 5xx on a route with `on_server_error = "release"`.
+fn released(status: http::StatusCode, policy: &Policy) -> bool {
+    not_acted_on(status) || status.is_server_error() && policy.on_server_error == OnServerError::Release
 }
 
 #[cfg(test)]

@@ -331,7 +331,7 @@ impl Gateway {
             return as_written;
         }
         // Every reading must go where the path as written goes.
-        let mut routed = Vec::with_capacity(readings.len());
+        let mut first = None;
         for reading in &readings {
             let elsewhere = self.route_by(host, reading, request.method());
             if !elsewhere.same_place(&as_written) {
@@ -340,15 +340,14 @@ impl Gateway {
                      out) leads elsewhere than as written; send it in that form",
                 );
             }
-            routed.push(elsewhere);
+            first.get_or_insert(elsewhere);
         }
         // The same place: parameters are read from the path with its dot
         // segments resolved (the first reading), as before `//` and `;`
         // were looked at.
-        if decoded.contains(';') || decoded.contains("//") {
-            as_written
-        } else {
-            routed.swap_remove(0)
+        match first {
+            Some(resolved) if !decoded.contains(';') && !decoded.contains("//") => resolved,
+            _ => as_written,
         }
     }
 

@@ -79,7 +79,12 @@ pub enum UpstreamError {
     Io(#[source] io::Error),
     #[error("the upstream's answer is not valid HTTP/1.1: {0}")]
     Protocol(&'static str),
-    /// An answer with this status that cannot be passed on.
+    /// An answer with this status that cannot be passed on: a head that
+    /// begins as HTTP/1.x with a status, then does not parse, is too
+    /// large, or frames its body in a way this hop refuses. Unlike a
+    /// timeout or a reset, such an answer says the backend had the request
+    /// (one that does not begin so, a `Protocol` error, may be another
+    /// service on the port).
     #[error("the upstream's answer ({0}) cannot be passed on: {1}")]
     Refused(StatusCode, &'static str),
     #[error("the request body could not be read")]
@@ -91,18 +96,6 @@ impl UpstreamError {
     /// not a byte of the request went into a new one.
     pub fn is_connect(&self) -> bool {
         matches!(self, UpstreamError::Connect(_))
-    }
-
-    /// The status of an answer that cannot be passed on: a head that
-    /// begins as HTTP/1.x with a status, then does not parse, is too
-    /// large, or frames its body in a way this hop refuses. Unlike a
-    /// timeout or a reset, such an answer says the backend had the request
-    /// (one that does not begin so may be another service on the port).
-    pub fn answered(&self) -> Option<StatusCode> {
-        match self {
-            UpstreamError::Refused(status, _) => Some(*status),
-            _ => None,
-        }
     }
 }
 
@@ -675,7 +668,7 @@ enum Framing {
 const MAX_FIELDS: usize = 256;
 
 /// An answer refused for `why`: by its status when its head began with
-/// one (see [`UpstreamError::answered`]).
+/// one (see [`UpstreamError::Refused`]).
 fn refused(status: Option<StatusCode>, why: &'static str) -> UpstreamError {
     match status {
         Some(status) => UpstreamError::Refused(status, why),
@@ -759,12 +752,6 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
                         // clients take no list, and a bodiless answer has
                         // no body to measure it by again.
                         headers.insert(header::CONTENT_LENGTH, length.into());
-                    }
-                    if status == StatusCode::NO_CONTENT {
-                        // A 204 has none (RFC 9110 §8.6): passed on, or
-                        // replayed, one above 0 has an HTTP/2 client reset
-                        // the stream (the HTTP/1.1 writer drops it).
-                        headers.remove(header::CONTENT_LENGTH);
                     }
                     if noted.transfer_encoding {
                         // RFC 9112 §6.3: Transfer-Encoding overrides it, and

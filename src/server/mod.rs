@@ -555,8 +555,7 @@ fn head_answer(response: &mut http::Response<ResponseBody>) {
 
 /// Drops a 204's `Content-Length`, as HTTP/1.1's writer does: RFC 9110
 /// §8.6 allows none, and an HTTP/2 client resets a stream that has one
-/// above 0. (Answers are read without one; a record kept by an earlier
-/// version may still hold it.)
+/// above 0, whether the upstream sent it or a record kept it.
 fn no_content_length(response: &mut http::Response<ResponseBody>) {
     if response.status() == http::StatusCode::NO_CONTENT {
         response.headers_mut().remove(http::header::CONTENT_LENGTH);

@@ -245,6 +245,17 @@ fn forget(bytes: &mut usize, entry: &Entry) {
     }
 }
 
+/// Puts `entry` into a slot that held no live one: vacant, or expired
+/// (forgotten first).
+fn fill(bytes: &mut usize, slot: Slot<'_, RecordKey, Entry>, entry: Entry) {
+    match slot {
+        Slot::Occupied(mut expired) => forget(bytes, &expired.insert(entry)),
+        Slot::Vacant(slot) => {
+            slot.insert(entry);
+        }
+    }
+}
+
 impl Shard {
     /// The entry under `key`, unless its deadline has passed (then it is removed).
     fn live(&mut self, key: &RecordKey, now: Instant) -> Option<&mut Entry> {
@@ -408,12 +419,7 @@ impl MemoryStore {
             deadline: shard.deadlines.queue(key, now, lease, Due::Lease),
             state: State::InFlight { owner, done: None },
         };
-        match slot {
-            Slot::Occupied(mut expired) => forget(&mut shard.bytes, &expired.insert(claimed)),
-            Slot::Vacant(slot) => {
-                slot.insert(claimed);
-            }
-        }
+        fill(&mut shard.bytes, slot, claimed);
         Claim::Claimed
     }
 
@@ -450,12 +456,7 @@ impl MemoryStore {
                     deadline: shard.deadlines.queue(key, now, ttl, due),
                     state: State::Done { outcome, size },
                 };
-                match slot {
-                    Slot::Occupied(mut expired) => forget(&mut shard.bytes, &expired.insert(done)),
-                    Slot::Vacant(slot) => {
-                        slot.insert(done);
-                    }
-                }
+                fill(&mut shard.bytes, slot, done);
             }
         }
         shard.bytes += size;
