@@ -277,6 +277,41 @@ async fn an_http2_request_is_scoped_by_its_authority_and_joined_cookies() {
     assert_eq!(upstream.hits(), 2);
 }
 
+/// A host named in `scope` is the same host however it is spelled (case, a
+/// fully qualified name's trailing dot), as routes match it: a retry that
+/// spells it otherwise is replayed, not run again. Another port or
+/// another name is another scope.
+#[tokio::test]
+async fn a_scope_reads_a_host_without_regard_to_its_spelling() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        "[[route]]\nname = \"orders\"\npath = \"/orders\"\nscope = [\"host\"]\n",
+    )
+    .await;
+    let client = TestClient::default();
+    for (host, replayed) in [
+        ("api.example.com", false),
+        ("API.Example.COM", true),
+        ("api.example.com.", true),
+        ("api.example.com:8443", false),
+        ("Api.Example.Com.:8443", true),
+        ("app.example.com", false),
+    ] {
+        let answer = client
+            .send(
+                "POST",
+                &proxy.url("/orders"),
+                &[("host", host), ("idempotency-key", "k-host")],
+                "{}",
+            )
+            .await;
+        assert_eq!(answer.status, StatusCode::CREATED, "{host}");
+        assert_eq!(answer.replayed(), replayed, "{host}");
+    }
+    assert_eq!(upstream.hits(), 3);
+}
+
 #[tokio::test]
 async fn routes_match_by_host_params_rest_and_method_first_match_wins() {
     let upstream = Upstream::created().await;

@@ -45,7 +45,7 @@ pub fn fingerprint(
     for name in &policy.headers {
         field(&mut hasher, name.as_str().as_bytes());
         for value in parts.headers.get_all(name) {
-            field(&mut hasher, value.as_bytes());
+            field(&mut hasher, &super::key::identity(name, value.as_bytes()));
         }
         hasher.update([0xff]);
     }

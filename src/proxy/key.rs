@@ -2,7 +2,9 @@
 //! or derived from an allow-list of request fields) and the record key it is
 //! stored under (scoped by the configured headers).
 
-use http::HeaderMap;
+use std::borrow::Cow;
+
+use http::{HeaderMap, HeaderName};
 use sha2::{Digest, Sha256};
 
 use super::canonical::{self, Json};
@@ -93,8 +95,8 @@ pub fn derive(fields: &[DeriveField], source: &KeySource<'_>) -> Result<String, 
                 // left out, two requests that differ only in them would
                 // share a key.
                 let values = source.headers.get_all(name).iter();
-                let values = values.map(|v| std::str::from_utf8(v.as_bytes()));
-                let values: Vec<&str> = values.collect::<Result<_, _>>().map_err(|_| {
+                let values = values.map(|v| String::from_utf8(identity(name, v.as_bytes()).into_owned()));
+                let values: Vec<String> = values.collect::<Result<_, _>>().map_err(|_| {
                     Problem::KeyInvalid(format!(
                         "the key is derived from `{field}`, whose value is not UTF-8 text"
                     ))
@@ -134,20 +136,46 @@ pub fn derive(fields: &[DeriveField], source: &KeySource<'_>) -> Result<String, 
     Ok(hex::encode(hasher.finalize()))
 }
 
+/// A header's value as a key, a scope or a fingerprint reads it: as sent,
+/// but for `Host`, whose name is one name however it is spelled: without
+/// regard to case, and without a fully qualified name's trailing dot
+/// (`API.Example.com.:8080` is `api.example.com:8080`), as routes match
+/// it. The port stays: another port may be another service.
+pub fn identity<'a>(name: &HeaderName, value: &'a [u8]) -> Cow<'a, [u8]> {
+    if name != http::header::HOST {
+        return Cow::Borrowed(value);
+    }
+    let host_end = match value.iter().rposition(|&b| b == b':') {
+        // `[::1]` has colons but no port.
+        Some(colon) if value[colon + 1..].iter().all(u8::is_ascii_digit) => colon,
+        _ => value.len(),
+    };
+    let dot = value[..host_end].ends_with(b".") && host_end > 1;
+    if !dot && !value.iter().any(u8::is_ascii_uppercase) {
+        return Cow::Borrowed(value);
+    }
+    let host = &value[..host_end - usize::from(dot)];
+    let mut normal = Vec::with_capacity(value.len());
+    normal.extend(host.iter().map(u8::to_ascii_lowercase));
+    normal.extend_from_slice(&value[host_end..]);
+    Cow::Owned(normal)
+}
+
 /// The record key: SHA-256 over the scope headers' values and the key,
 /// each length-prefixed so no two different inputs run together.
-pub fn record_key(scope: &[http::HeaderName], headers: &HeaderMap, key: &str) -> RecordKey {
+pub fn record_key(scope: &[HeaderName], headers: &HeaderMap, key: &str) -> RecordKey {
     let values = scope
         .iter()
-        .map(|name| headers.get_all(name).iter().map(|v| v.as_bytes()));
+        .map(|name| headers.get_all(name).iter().map(|v| identity(name, v.as_bytes())));
     record_key_of(values, key)
 }
 
 /// The record key from the values of each scope header, in scope order
-/// (an empty list: the header was absent).
-pub fn record_key_of<'a, V>(scope: impl Iterator<Item = V>, key: &str) -> RecordKey
+/// (an empty list: the header was absent), each read by [`identity`]
+/// already.
+pub fn record_key_of<V>(scope: impl Iterator<Item = V>, key: &str) -> RecordKey
 where
-    V: Iterator<Item = &'a [u8]>,
+    V: Iterator<Item: AsRef<[u8]>>,
 {
     let mut hasher = Sha256::new();
     hasher.update(b"idemgate-record-v1");
@@ -157,6 +185,7 @@ where
             hasher.update([0u8]);
         }
         for value in values {
+            let value = value.as_ref();
             hasher.update([1u8]);
             hasher.update((value.len() as u64).to_be_bytes());
             hasher.update(value);
@@ -186,6 +215,26 @@ fn query_values(query: &str, name: &str) -> Option<Vec<Json>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_is_read_without_case_or_trailing_dot_and_other_fields_as_sent() {
+        let host = |value: &str| String::from_utf8(identity(&http::header::HOST, value.as_bytes()).into_owned());
+        for (sent, read) in [
+            ("api.example.com", "api.example.com"),
+            ("API.Example.com.", "api.example.com"),
+            ("API.Example.com.:8443", "api.example.com:8443"),
+            ("api.example.com:", "api.example.com:"),
+            ("[::1]", "[::1]"),
+            ("[::1]:80", "[::1]:80"),
+            ("[FE80::1]", "[fe80::1]"),
+            (".", "."),
+            ("", ""),
+        ] {
+            assert_eq!(host(sent).unwrap(), read, "{sent}");
+        }
+        let tenant = HeaderName::from_static("x-tenant");
+        assert_eq!(identity(&tenant, b"Acme."), &b"Acme."[..]);
+    }
 
     /// The key `fields` derive from a request with `headers` and `query`.
     fn derived(fields: &[DeriveField], headers: &HeaderMap, query: Option<&str>) -> Result<String, Problem> {

@@ -214,7 +214,10 @@ impl Gateway {
         let key = key::parse(key.as_bytes()).unwrap_or_else(|| key.to_owned());
         Ok(match scope {
             ScopeValues::Positional(values) => {
-                let values = (0..headers.len()).map(|i| values.get(i).map(Vec::as_slice).into_iter());
+                let values = headers.iter().enumerate().map(|(i, header)| {
+                    let value = values.get(i).map(|value| key::identity(header, value));
+                    value.into_iter()
+                });
                 key::record_key_of(values, &key)
             }
             ScopeValues::Named(named) => {
@@ -226,7 +229,7 @@ impl Gateway {
                 }
                 let values = headers.iter().map(|header| {
                     let lines = named.iter().filter(move |(name, _)| header.as_str() == name);
-                    lines.map(|(_, value)| value.as_slice())
+                    lines.map(move |(_, value)| key::identity(header, value))
                 });
                 key::record_key_of(values, &key)
             }
