@@ -14,12 +14,28 @@ fn idemgate(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-fn temp_file(name: &str, text: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("idemgate-config-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
+/// A file written for one test, removed with its directory when dropped.
+struct TempFile {
+    path: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl std::ops::Deref for TempFile {
+    type Target = std::path::Path;
+
+    fn deref(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+fn temp_file(name: &str, text: &str) -> TempFile {
+    let dir = tempfile::Builder::new()
+        .prefix("idemgate-config-test-")
+        .tempdir()
+        .unwrap();
+    let path = dir.path().join(name);
     std::fs::write(&path, text).unwrap();
-    path
+    TempFile { path, _dir: dir }
 }
 
 #[test]

@@ -545,7 +545,7 @@ contract!(redis_cluster, {
     (Arc::new(store) as Arc<dyn Store>, cluster)
 });
 contract!(embedded, {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = support::scratch();
     let store = EmbeddedStore::open(&dir.path().join("contract.redb")).unwrap();
     (Arc::new(store) as Arc<dyn Store>, dir)
 });
@@ -602,7 +602,7 @@ async fn memory_sweeps_expired_records_and_holds_its_budget() {
 /// interval of five seconds) from the file and the log together.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_keeps_the_books_across_restarts() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = support::scratch();
     let path = dir.path().join("restarts.redb");
     let reopen = |path: &std::path::Path| {
         // Once the last store on it has let go of the file.
@@ -632,7 +632,7 @@ async fn embedded_keeps_the_books_across_restarts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_sweeps_expired_records_from_the_file() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = support::scratch();
     let store = Arc::new(EmbeddedStore::open(&dir.path().join("sweep.redb")).unwrap());
     let writes: Vec<_> = (0..6000)
         .map(|_| {

@@ -1616,6 +1616,34 @@ mod tests {
     use super::*;
     use crate::store::StoredResponse;
 
+    /// A directory for one test's store, removed when dropped: again while
+    /// the store's threads, which outlive it a moment, still write log
+    /// segments into it (one try would leave it behind, tens of MiB).
+    struct Scratch(tempfile::TempDir);
+
+    fn scratch() -> Scratch {
+        Scratch(tempfile::tempdir().unwrap())
+    }
+
+    impl Scratch {
+        fn path(&self) -> &Path {
+            self.0.path()
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            for _ in 0..200 {
+                match fs::remove_dir_all(self.0.path()) {
+                    Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                        std::thread::sleep(Duration::from_millis(50))
+                    }
+                    _ => return,
+                }
+            }
+        }
+    }
+
     /// A 200 answer with `body`, as the gateway records one.
     fn answer(body: &Bytes) -> Outcome {
         Outcome::Response(Arc::new(StoredResponse::new(
@@ -1650,7 +1678,7 @@ mod tests {
         fn stepped() -> u64 {
             wall_ms() + AHEAD.load(Ordering::Relaxed)
         }
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let path = dir.path().join("c.redb");
         let store = EmbeddedStore::open_with(&path, Clock::new(stepped)).unwrap();
         AHEAD.store(3_600_000, Ordering::Relaxed);
@@ -1671,7 +1699,7 @@ mod tests {
 
     #[tokio::test]
     async fn ping_fails_once_the_writer_is_gone() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let mut store = EmbeddedStore::open(&dir.path().join("p.redb")).unwrap();
         store.ping().await.unwrap();
         // A writer that died: its end of the queue is dropped. Reads of the
@@ -1765,7 +1793,7 @@ mod tests {
 
     #[test]
     fn segments_are_recycled_and_a_reopened_store_ignores_stale_entries() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let path = dir.path().join("s.redb");
         let mut wal = Wal::create(&path, 1).unwrap();
         let (mut log, mut link) = (Vec::new(), 0);
@@ -1817,7 +1845,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_store_opens_and_works_when_no_spare_segment_can_be_made() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let path = dir.path().join("n.redb");
         // The first spare's temporary name is taken by a directory, so
         // making it fails, as on a full disk.
@@ -1832,7 +1860,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_log_grows_past_its_segment_while_no_new_one_can_be_made() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let path = dir.path().join("g.redb");
         let blocked = [
             Wal::named(&path, "-wal-spare.0.new"),
@@ -1880,7 +1908,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_store_refuses_new_claims_and_still_answers_replays() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let store = EmbeddedStore::open(&dir.path().join("r.redb")).unwrap();
         let (done, fingerprint, owner) = (RecordKey([7; 32]), Fingerprint([1; 32]), Owner::new());
         let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
@@ -1911,7 +1939,7 @@ mod tests {
     /// is not made anew: the records already in it would be forgotten.
     #[tokio::test]
     async fn a_lost_file_beside_its_log_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let path = dir.path().join("lost.redb");
         let store = EmbeddedStore::open(&path).unwrap();
         let (key, owner) = (RecordKey([30; 32]), Owner::new());
@@ -1945,7 +1973,7 @@ mod tests {
     /// an answer given meanwhile is not run again after the restart.
     #[tokio::test]
     async fn a_draining_store_settles_the_claims_it_holds_into_its_log() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let path = dir.path().join("d.redb");
         let store = EmbeddedStore::open(&path).unwrap();
         let (fingerprint, lease, ttl) = (Fingerprint([1; 32]), Duration::from_secs(30), Duration::from_secs(60));
@@ -2036,7 +2064,7 @@ mod tests {
     /// past it, one is refused at once, as never sent.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stalled_writer_refuses_operations_past_its_queue_at_once() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let store = EmbeddedStore::open(&dir.path().join("q.redb")).unwrap();
         let blocker = stall(&store).await;
         let (fingerprint, lease) = (Fingerprint([1; 32]), Duration::from_secs(60));
@@ -2060,7 +2088,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failure_lets_go_of_a_writer_waiting_on_a_checkpoint() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let store = EmbeddedStore::open(&dir.path().join("w.redb")).unwrap();
         let blocker = stall(&store).await;
         let (fingerprint, ttl) = (Fingerprint([1; 32]), Duration::from_secs(60));
@@ -2083,7 +2111,7 @@ mod tests {
     /// write fails, the retry must not replay an answer a restart forgets.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_claim_is_not_answered_from_a_completion_the_log_lost() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let store = EmbeddedStore::open(&dir.path().join("l.redb")).unwrap();
         let (key, fingerprint, owner) = (RecordKey([60; 32]), Fingerprint([1; 32]), Owner::new());
         let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
@@ -2109,7 +2137,7 @@ mod tests {
 
     #[test]
     fn a_segment_that_cannot_be_made_leaves_no_temporary_file() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         // Renaming onto a directory that is not empty fails after the fill.
         let target = dir.path().join("s.redb-wal-spare.0");
         fs::create_dir(&target).unwrap();
@@ -2122,7 +2150,7 @@ mod tests {
     /// the store removes them, and nothing else beside it.
     #[tokio::test]
     async fn temporary_files_a_crash_left_are_removed_on_open() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let path = dir.path().join("t.redb");
         drop(EmbeddedStore::open(&path).unwrap());
         let left = ["t.redb-wal.000009.new", "t.redb-wal-spare.7.new"];
@@ -2176,7 +2204,7 @@ mod tests {
     /// that hangs ties up no more threads than that.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn reads_of_the_file_wait_for_a_place() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let store = EmbeddedStore::open(&dir.path().join("r.redb")).unwrap();
         let (key, fingerprint, owner) = (RecordKey([6; 32]), Fingerprint([1; 32]), Owner::new());
         let lease = Duration::from_secs(30);
@@ -2208,7 +2236,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn records_in_the_file_are_found_through_the_key_filter() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let path = dir.path().join("f.redb");
         let (kept, purged, fingerprint) = (RecordKey([3; 32]), RecordKey([4; 32]), Fingerprint([1; 32]));
         let store = EmbeddedStore::open(&path).unwrap();
@@ -2259,7 +2287,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn segments_already_in_the_file_are_never_applied_again() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let path = dir.path().join("a.redb");
         let key = RecordKey([9; 32]);
         let owner = Owner::new();
@@ -2304,7 +2332,7 @@ mod tests {
     /// format) is replayed as it was written, once.
     #[tokio::test]
     async fn a_log_from_before_entries_were_chained_is_replayed() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let path = dir.path().join("u.redb");
         drop(EmbeddedStore::open(&path).unwrap());
         let db = reopen_db(&path);
@@ -2355,7 +2383,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn batches_of_large_answers_keep_segments_near_their_size() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = scratch();
         let path = dir.path().join("big.redb");
         let store = Arc::new(EmbeddedStore::open(&path).unwrap());
         let body = Bytes::from(vec![b'x'; 100 * 1024]);

@@ -7,6 +7,34 @@
 pub mod logs;
 pub mod redis;
 
+/// A directory for one test's embedded store, removed when dropped: again
+/// while the store's threads, which outlive it a moment, still write log
+/// segments into it (one try would leave it behind, tens of MiB).
+pub struct Scratch(tempfile::TempDir);
+
+pub fn scratch() -> Scratch {
+    Scratch(tempfile::tempdir().unwrap())
+}
+
+impl Scratch {
+    pub fn path(&self) -> &std::path::Path {
+        self.0.path()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        for _ in 0..200 {
+            match std::fs::remove_dir_all(self.0.path()) {
+                Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                    std::thread::sleep(std::time::Duration::from_millis(50))
+                }
+                _ => return,
+            }
+        }
+    }
+}
+
 /// The route most tests use: POST and PATCH on /v1/orders, every default.
 pub const ORDERS: &str = "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n";
 
