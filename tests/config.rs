@@ -543,6 +543,29 @@ fn ignored_pointers_are_kept_in_an_order_that_removes_what_they_name() {
         config.routes[0].policy.fingerprint.ignore,
         ["/ts", "/items/1", "/items/0"]
     );
+    // Listed twice, a pointer is removed once: twice, it took the element
+    // after the one it names too.
+    let config = Config::parse(
+        "[upstream]\nurl = \"http://h:1\"\n[[route]]\nname = \"a\"\npath = \"/a\"\nfingerprint = { body = \"json\", ignore = [\"/items/1\", \"/items/1\"] }\n",
+        "x.toml",
+    )
+    .unwrap();
+    assert_eq!(config.routes[0].policy.fingerprint.ignore, ["/items/1"]);
+    for (fields, field) in [
+        (
+            "fingerprint = { body = \"json\", ignore = [\"/a~2b\"] }",
+            "route[0].fingerprint.ignore",
+        ),
+        ("key = { derive = [\"body:/a~\"] }", "route[0].key.derive"),
+    ] {
+        let error = Config::parse(
+            &format!("[upstream]\nurl = \"http://h:1\"\n[[route]]\nname = \"a\"\npath = \"/a\"\n{fields}\n"),
+            "x.toml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains(field) && error.contains("`~0`"), "{error}");
+    }
 }
 
 #[test]

@@ -172,12 +172,25 @@ fn socket_addr(s: &str) -> Result<SocketAddr, String> {
         .map_err(|_| format!("`{s}` is not an address:port such as \"127.0.0.1:8080\""))
 }
 
+/// A JSON pointer's `~` escapes (RFC 6901 §3): `~0` or `~1`, nothing else.
+fn escapes(pointer: &str) -> Result<(), String> {
+    if pointer.split('~').skip(1).any(|after| !after.starts_with(['0', '1'])) {
+        return Err(format!(
+            "`{pointer}` is not a JSON pointer: a `~` in a name is written `~0`, a `/` `~1`"
+        ));
+    }
+    Ok(())
+}
+
 fn derive_field(s: &str) -> Result<DeriveField, String> {
     let (kind, rest) = s
         .split_once(':')
         .ok_or_else(|| format!("`{s}` must be one of body:/pointer, header:name, path:param, query:name"))?;
     match kind {
-        "body" if rest.is_empty() || rest.starts_with('/') => Ok(DeriveField::Body(rest.to_string())),
+        "body" if rest.is_empty() || rest.starts_with('/') => {
+            escapes(rest)?;
+            Ok(DeriveField::Body(rest.to_string()))
+        }
         "body" => Err(format!(
             "`{s}`: a body field is a JSON pointer starting with `/`, e.g. body:/order/id"
         )),
@@ -299,6 +312,7 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
                             "`{p}` is not a JSON pointer: it starts with `/`, e.g. \"/timestamp\""
                         ));
                     }
+                    escapes(p)?;
                 }
                 // Applied in this order, each removes what it names in the
                 // body as sent (see `sort_for_removal`).

@@ -318,21 +318,28 @@ fn write_string(s: &str, out: &mut Vec<u8>) {
 /// [`remove_pointer`]) removes what each names in the document as it came:
 /// in an array, later elements first, as removing one shifts those after
 /// it; inside an element or member, before the element or member itself.
-pub fn sort_for_removal(pointers: &mut [String]) {
-    fn tokens(pointer: &str) -> impl Iterator<Item = &str> {
-        pointer.split('/').skip(1)
+/// A pointer listed twice is kept once: removed twice, it would take the
+/// element after the one it names too.
+pub fn sort_for_removal(pointers: &mut Vec<String>) {
+    fn tokens(pointer: &str) -> impl Iterator<Item = (Option<usize>, &str)> {
+        pointer.split('/').skip(1).map(|token| (index(token), token))
     }
+    // Indexes (as a pointer writes them: `01` is a member's name) in
+    // their numeric order, then names; a total order.
     pointers.sort_by(|a, b| {
         let order = tokens(a)
             .zip(tokens(b))
-            .map(|(x, y)| match (x.parse::<usize>(), y.parse::<usize>()) {
-                (Ok(x), Ok(y)) => x.cmp(&y),
-                _ => x.cmp(y),
+            .map(|((i, x), (j, y))| match (i, j) {
+                (Some(i), Some(j)) => i.cmp(&j),
+                (Some(_), None) => std::cmp::Ordering::Less,
+                (None, Some(_)) => std::cmp::Ordering::Greater,
+                (None, None) => x.cmp(y),
             })
             .find(|o| o.is_ne())
             .unwrap_or_else(|| tokens(a).count().cmp(&tokens(b).count()));
         order.reverse()
     });
+    pointers.dedup();
 }
 
 /// Removes the member or element a JSON pointer (RFC 6901) names, if any.
@@ -341,13 +348,12 @@ pub fn remove_pointer(value: &mut Json, pointer: &str) {
     let Some((parent, last)) = pointer.rsplit_once('/') else {
         return;
     };
-    let last = last.replace("~1", "/").replace("~0", "~");
     match value.pointer_mut(parent) {
         Some(Json::Object(members)) => {
-            members.remove(&last);
+            members.remove(&unescape(last));
         }
         Some(Json::Array(items)) => {
-            if let Ok(i) = last.parse::<usize>()
+            if let Some(i) = index(last)
                 && i < items.len()
             {
                 items.remove(i);
@@ -672,7 +678,9 @@ mod tests {
             ["/n", "/items/10", "/items/2/id", "/items/1/id", "/items/1", "/items/0"]
         );
         let mut v = parse(br#"{"items":["p","q",{"id":7,"k":1},"r"],"n":1}"#).unwrap();
-        let mut pointers = ["/items/0", "/items/1", "/items/2/id"].map(String::from).to_vec();
+        let mut pointers = ["/items/0", "/items/1", "/items/2/id", "/items/1"]
+            .map(String::from)
+            .to_vec();
         sort_for_removal(&mut pointers);
         for pointer in &pointers {
             remove_pointer(&mut v, pointer);
@@ -682,6 +690,23 @@ mod tests {
             String::from_utf8(to_vec(&v)).unwrap(),
             r#"{"items":[{"k":1},"r"],"n":1}"#
         );
+    }
+
+    /// An index is written as RFC 6901 writes one: `01` and `+1` name no
+    /// element (as for a derived key's pointer), and a member named `01`.
+    #[test]
+    fn pointers_name_elements_only_by_plain_indexes() {
+        let mut pointers: Vec<String> = ["/l/01", "/l/+0", "/l/1", "/o/01", "/l/10", "/l/9", "/l/a"]
+            .map(String::from)
+            .to_vec();
+        sort_for_removal(&mut pointers);
+        assert_eq!(pointers, ["/o/01", "/l/a", "/l/01", "/l/+0", "/l/10", "/l/9", "/l/1"]);
+        let mut v = parse(br#"{"l":[0,1,2],"o":{"01":1,"1":2}}"#).unwrap();
+        for pointer in ["/l/01", "/l/+0", "/o/01"] {
+            remove_pointer(&mut v, pointer);
+            assert_eq!(v.pointer(pointer), None);
+        }
+        assert_eq!(String::from_utf8(to_vec(&v)).unwrap(), r#"{"l":[0,1,2],"o":{"1":2}}"#);
     }
 
     #[test]
