@@ -66,9 +66,21 @@ pub fn drop_named<'a>(headers: &mut HeaderMap, values: impl Iterator<Item = &'a 
 /// Gives an HTTP/2 request's headers the shape an HTTP/1.1 head would have,
 /// before anything reads them, so a route's `scope`, derived key and
 /// fingerprint see the same request whichever protocol a retry comes by:
-/// the `Cookie` fields it may send one per cookie joined. (Its `Host`,
-/// from `:authority`, is [`host_from_target`]'s.)
+/// the `Cookie` fields it may send one per cookie joined, and values
+/// without the spaces or tabs around them an HTTP/1.1 parser drops (RFC
+/// 9113 §8.2.1 forbids them, and HTTP/2 parsers let them through). (Its
+/// `Host`, from `:authority`, is [`host_from_target`]'s.)
 pub fn h2_as_h1(headers: &mut HeaderMap) {
+    let blank = |b: &u8| *b == b' ' || *b == b'\t';
+    for value in headers.values_mut() {
+        let bytes = value.as_bytes();
+        if bytes.first().is_some_and(blank) || bytes.last().is_some_and(blank) {
+            let trimmed = bytes.trim_ascii();
+            // A field value's part that begins and ends with a visible
+            // byte is one too.
+            *value = HeaderValue::from_bytes(trimmed).expect("a field value trimmed");
+        }
+    }
     join_cookies(headers);
 }
 
@@ -300,6 +312,22 @@ mod tests {
         none.insert(header::COOKIE, HeaderValue::from_static("one=1"));
         h2_as_h1(&mut none);
         assert_eq!(cookies(&none), ["one=1"]);
+        // Values as an HTTP/1.1 parser reads them: without blanks around.
+        let mut blanks = HeaderMap::new();
+        for (name, value) in [
+            ("authorization", "Bearer z "),
+            ("x-a", "\t a b"),
+            ("x-a", "  "),
+            ("x-b", "c"),
+        ] {
+            blanks.append(name, HeaderValue::from_static(value));
+        }
+        h2_as_h1(&mut blanks);
+        let values = blanks.iter().map(|(n, v)| (n.as_str(), v.to_str().unwrap()));
+        assert_eq!(
+            values.collect::<Vec<_>>(),
+            [("authorization", "Bearer z"), ("x-a", "a b"), ("x-a", ""), ("x-b", "c")]
+        );
     }
 
     #[test]
