@@ -499,6 +499,39 @@ async fn doubled_slashes_and_path_parameters_that_change_the_route_are_refused()
     assert_eq!(seen, passed);
 }
 
+/// An escaped slash is a slash to a backend that decodes the path before it
+/// routes it (WSGI servers; nginx's locations): a path that would reach a
+/// route only so read is refused; one a route takes as written goes on,
+/// protected, whatever its `%2F` is read as.
+#[tokio::test]
+async fn escaped_slashes_that_would_reach_a_route_are_refused() {
+    let upstream = Upstream::created().await;
+    let config = format!(
+        "{}[[route]]\nname = \"files\"\npath = \"/files/{{name}}\"\nmethods = [\"PUT\"]\n",
+        support::ORDERS
+    );
+    let proxy = Proxy::start(&upstream.url(), &config).await;
+    let client = TestClient::default();
+    for path in ["/v1%2Forders", "/v1%2forders", "/%2Fv1/orders", "/v1/x%2F..%2Forders"] {
+        let answer = client.post(&proxy.url(path), path, "{}").await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{path}");
+        assert_eq!(answer.problem(), "bad-request", "{path}");
+    }
+    assert_eq!(upstream.hits(), 0);
+    // A route takes it as written: claimed, replayed, forwarded as sent.
+    for replayed in [false, true] {
+        let answer = client
+            .send("PUT", &proxy.url("/files/a%2Fb"), &[("idempotency-key", "f")], "{}")
+            .await;
+        assert_eq!((answer.status, answer.replayed()), (StatusCode::CREATED, replayed));
+    }
+    // No route either way: passed through as sent.
+    let answer = client.send("GET", &proxy.url("/v1%2Forders"), &[], "").await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+    let seen: Vec<String> = upstream.seen().into_iter().map(|s| s.uri).collect();
+    assert_eq!(seen, ["/files/a%2Fb", "/v1%2Forders"]);
+}
+
 #[tokio::test]
 async fn shadow_mode_forwards_everything_and_counts_what_enforce_would_do() {
     let upstream = Upstream::created().await;

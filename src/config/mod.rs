@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use http::{HeaderName, Method, Uri};
 
-pub use route::{PathPattern, RouteMatch, as_backends_may_read, decode_unreserved, remove_dot_segments};
+pub use route::{
+    PathPattern, RouteMatch, as_backends_may_read, decode_unreserved, remove_dot_segments, slashes_decoded,
+};
 
 /// The validated configuration.
 #[derive(Debug, Clone)]

@@ -216,6 +216,13 @@ const PATH_AS_IS: [bool; 256] = {
     table
 };
 
+/// `path` (as [`decode_unreserved`] gives it) with its escaped slashes
+/// (`%2F`) decoded, as a backend that decodes the path before it routes it
+/// reads them (WSGI servers, nginx's locations); `None` when it has none.
+pub fn slashes_decoded(path: &str) -> Option<String> {
+    path.contains("%2F").then(|| path.replace("%2F", "/"))
+}
+
 /// The readings of an absolute `path` that some backend may make of it,
 /// other than as written: with its `.` and `..` segments resolved
 /// ([`remove_dot_segments`], first), and, when it holds `;` or `//`,

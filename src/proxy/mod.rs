@@ -329,6 +329,24 @@ impl Gateway {
         // let past a route either way.
         let decoded = crate::config::decode_unreserved(request.uri().path());
         let as_written = self.route_by(host, &decoded, request.method());
+        // `/v1%2Forders` is `/v1/orders` to a backend that decodes the path
+        // before it routes it, and not to others: refused when so read it
+        // reaches a route the path as written does not take. Read as the
+        // route as written takes it, a path with a `%2F` in a parameter
+        // (`/files/a%2Fb`) is protected either way and goes on.
+        if let Some(slashed) = crate::config::slashes_decoded(&decoded) {
+            let mut readings = crate::config::as_backends_may_read(&slashed);
+            readings.push(slashed);
+            for reading in &readings {
+                let there = self.route_by(host, reading, request.method());
+                if matches!(there, Routed::Idempotent(..)) && !there.same_place(&as_written) {
+                    return Routed::Refused(
+                        "the path read with its `%2F` decoded to `/`, as backends may read it, reaches a route \
+                         the path as written does not; send it in that form",
+                    );
+                }
+            }
+        }
         let readings = crate::config::as_backends_may_read(&decoded);
         if readings.is_empty() {
             return as_written;
