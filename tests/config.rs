@@ -277,6 +277,38 @@ fn a_missing_upstream_url_is_named() {
     assert!(error.contains("upstream.url"), "{error}");
 }
 
+/// A port the URL parser lets by, which would become the scheme's own
+/// (`:80800` port 80), or no host at all, is named; a route's upstream
+/// is read alike.
+#[test]
+fn an_upstream_url_needs_a_host_and_a_port_that_is_one() {
+    for (url, message) in [
+        ("http://127.0.0.1:80800", "port `80800`"),
+        ("http://127.0.0.1:PW123", "port `PW123`"),
+        ("http://127.0.0.1:0", "port `0`"),
+        ("http://127.0.0.1:", "port ``"),
+        ("http://[::1]:99999", "port `99999`"),
+        ("http://:8080", "has no host"),
+    ] {
+        for (text, field) in [
+            (format!("[upstream]\nurl = \"{url}\"\n"), "upstream.url"),
+            (
+                format!(
+                    "[upstream]\nurl = \"http://h:1\"\n[[route]]\nname = \"a\"\npath = \"/a\"\nupstream = \"{url}\"\n"
+                ),
+                "route[0].upstream",
+            ),
+        ] {
+            let error = Config::parse(&text, "x.toml").unwrap_err().to_string();
+            assert!(error.contains(field) && error.contains(message), "{url}: {error}");
+        }
+    }
+    for url in ["http://127.0.0.1:8080", "https://[::1]:65535/", "http://h"] {
+        let text = format!("[upstream]\nurl = \"{url}\"\n");
+        Config::parse(&text, "x.toml").unwrap_or_else(|e| panic!("{url}: {e}"));
+    }
+}
+
 #[test]
 fn sizes_and_durations() {
     let config = Config::parse(

@@ -158,8 +158,20 @@ fn upstream_url(s: &str) -> Result<Uri, String> {
         Some("http") | Some("https") => {}
         _ => return Err(format!("`{s}` must start with http:// or https://")),
     }
-    if uri.authority().is_none() {
+    let (Some(authority), Some(host)) = (uri.authority(), uri.host().filter(|h| !h.is_empty())) else {
         return Err(format!("`{s}` has no host"));
+    };
+    // The parser lets any port through, and an unreadable one would be
+    // the scheme's (`:80800`, a typo of 8080, would go to port 80).
+    if let Some(port) = authority
+        .as_str()
+        .strip_prefix(host)
+        .and_then(|rest| rest.strip_prefix(':'))
+        && port.parse::<u16>().map_or(true, |port| port == 0)
+    {
+        return Err(format!(
+            "`{s}` has the port `{port}`: a port is a number from 1 to 65535"
+        ));
     }
     if uri.path() != "/" && !uri.path().is_empty() || uri.query().is_some() {
         return Err(format!("`{s}` must be scheme://host[:port] without a path"));
