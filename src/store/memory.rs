@@ -343,12 +343,30 @@ impl Shard {
         self.evict_of(true, budget, newest, evicted);
     }
 
+    /// How many records to evict together from a shard over `budget`: as
+    /// many as the excess needs, by the shard's average record, and more,
+    /// up to [`EVICT_BATCH`], only while they fit in a thirty-second of the
+    /// budget below it. Small records go a batch at a time; large ones
+    /// (a shard of a few answers near `max_response_body`) one at a time,
+    /// as a batch of eight would empty the shard, answers a moment old
+    /// among them, whose clients' immediate retries would run again.
+    fn batch_for(&self, budget: usize) -> usize {
+        let over = self.bytes - budget;
+        let average = (self.bytes / self.entries.len().max(1)).max(1);
+        let mut wanted = over.div_ceil(average).max(1);
+        while wanted < EVICT_BATCH && (wanted + 1) * average <= over + budget / 32 {
+            wanted += 1;
+        }
+        wanted.min(EVICT_BATCH)
+    }
+
     /// [`Shard::evict_to`]'s work on one kind of record.
     fn evict_of(&mut self, guards: bool, budget: usize, newest: &RecordKey, evicted: &mut Vec<Entry>) {
         while self.bytes > budget {
+            let wanted = self.batch_for(budget);
             let mut batch = [(0, RecordKey([0; 32])); EVICT_BATCH];
             let mut taken = 0;
-            while taken < EVICT_BATCH
+            while taken < wanted
                 && let Some(queue) = self.deadlines.oldest_ttl(guards)
                 && let Some(&(_, seq, key)) = queue.front()
             {
@@ -683,13 +701,13 @@ mod tests {
 
     #[tokio::test]
     async fn eviction_follows_completion_order_across_ttls_and_refreshes() {
-        // Twenty records of one shard fit its budget: the twenty-first
-        // evicts a batch, those completed (or refreshed) longest ago.
+        // Twenty records of one shard fit its budget: each one more evicts
+        // the one completed (or refreshed) longest ago.
         let size = outcome_size(&response(100));
         let store = MemoryStore::new((SHARDS * size * 20) as u64);
         let fp = Fingerprint([0; 32]);
         let lease = Duration::from_secs(30);
-        let keys: Vec<RecordKey> = keys_of_shard(0).take(21).collect();
+        let keys: Vec<RecordKey> = keys_of_shard(0).take(28).collect();
         // Two routes' TTLs, taking turns: two queues.
         let ttl = |i: usize| Duration::from_secs(if i.is_multiple_of(2) { 3600 } else { 7200 });
         for (i, key) in keys[..20].iter().enumerate() {
@@ -703,24 +721,21 @@ mod tests {
             .await
             .unwrap();
         assert!(matches!(refreshed, Claim::Completed { .. }));
-        let owner = Owner(21);
-        store.claim(&keys[20], &fp, owner, lease, None).await.unwrap();
-        assert!(
-            store
-                .complete(&keys[20], &fp, owner, response(100), ttl(20))
-                .await
-                .unwrap()
-        );
+        for (i, key) in keys.iter().enumerate().skip(20) {
+            let owner = Owner(i as u128 + 1);
+            store.claim(key, &fp, owner, lease, None).await.unwrap();
+            assert!(store.complete(key, &fp, owner, response(100), ttl(i)).await.unwrap());
+        }
 
         let kept = |key: &RecordKey| {
             let shard = store.shard(key);
             shard.entries.contains_key(key)
         };
-        // The batch's eight queue items were key 0's stale one (from before
-        // its refresh) and keys 1 to 7, from both queues: those went; the
-        // refreshed key 0 and keys 8 to 20 stayed.
+        // Key 0's stale queue item (from before its refresh) evicted
+        // nothing; keys 1 to 8, from both queues, went; the refreshed key 0
+        // and keys 9 to 27 stayed.
         for (i, key) in keys.iter().enumerate() {
-            assert_eq!(kept(key), !(1..=7).contains(&i), "key {i}");
+            assert_eq!(kept(key), !(1..=8).contains(&i), "key {i}");
         }
     }
 
@@ -794,6 +809,39 @@ mod tests {
                 i + 1
             );
             assert_eq!(store.stored_bytes(), held * size);
+        }
+    }
+
+    /// A shard of a few large answers evicts only what its budget needs:
+    /// a batch would take answers a moment old, whose clients' immediate
+    /// retries would then run again. Small ones still go a batch at a time.
+    #[tokio::test]
+    async fn large_answers_are_evicted_only_as_the_budget_needs() {
+        for (body, fits, batch) in [(100 * 1024, 8, 1), (100, 4000, EVICT_BATCH)] {
+            let size = outcome_size(&response(body));
+            let store = MemoryStore::new((SHARDS * size * fits) as u64);
+            let fp = Fingerprint([0; 32]);
+            let mut least = usize::MAX;
+            for (i, key) in keys_of_shard(7).take(fits + 30).enumerate() {
+                let owner = Owner(i as u128);
+                store
+                    .claim(&key, &fp, owner, Duration::from_secs(30), None)
+                    .await
+                    .unwrap();
+                let answer = response(body);
+                assert!(
+                    store
+                        .complete(&key, &fp, owner, answer, Duration::from_secs(60))
+                        .await
+                        .unwrap()
+                );
+                let held = lock(&store.shared.shards[7]).entries.len();
+                assert!(held <= fits, "{held} records held over a budget of {fits}");
+                if i >= fits {
+                    least = least.min(held);
+                }
+            }
+            assert_eq!(least, fits + 1 - batch, "records of {body} bytes");
         }
     }
 
