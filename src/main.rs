@@ -338,16 +338,24 @@ fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
                     tracing::warn!("{warning}");
                 }
                 // Every worker runs the same configuration, so the first
-                // refuses for all of them.
+                // refuses for all of them, and one says what was applied.
+                let mut applied = None;
                 for reloader in &reloaders {
-                    if let Err(error) = reloader.apply(config.clone()) {
-                        let error = idemgate::telemetry::error_chain(&error);
-                        tracing::error!(
-                            "reload refused, the running configuration stays: {}: {error}",
-                            path.display()
-                        );
-                        break;
+                    match reloader.apply(config.clone()) {
+                        Ok(reloaded) => applied = Some(reloaded),
+                        Err(error) => {
+                            let error = idemgate::telemetry::error_chain(&error);
+                            tracing::error!(
+                                "reload refused, the running configuration stays: {}: {error}",
+                                path.display()
+                            );
+                            applied = None;
+                            break;
+                        }
                     }
+                }
+                if let Some(reloaded) = applied {
+                    reloaded.log();
                 }
             }
         });

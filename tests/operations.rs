@@ -224,7 +224,9 @@ async fn the_admin_listener_answers_until_every_worker_has_drained() {
 #[tokio::test]
 async fn sighup_reloads_the_file_and_keeps_the_old_one_when_the_new_is_broken() {
     let upstream = Upstream::created().await;
-    let mut gate = Binary::start(&upstream.url(), "[store]\nbackend = \"memory\"\n").await;
+    // Two workers, each applying the reload.
+    let config = "[server]\nworkers = 2\n[store]\nbackend = \"memory\"\n";
+    let mut gate = Binary::start(&upstream.url(), config).await;
     let client = TestClient::default();
     let original = std::fs::read_to_string(gate.config_path()).unwrap();
     assert!(!client.post(&gate.url("/v1/orders"), "k", "").await.replayed());
@@ -245,6 +247,18 @@ async fn sighup_reloads_the_file_and_keeps_the_old_one_when_the_new_is_broken() 
         assert!(tokio::time::Instant::now() < deadline, "the reload never took effect");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // Said once, not once a worker.
+    while !gate.log().contains("configuration reloaded") {
+        assert!(tokio::time::Instant::now() < deadline, "{}", gate.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        gate.log().matches("configuration reloaded").count(),
+        1,
+        "{}",
+        gate.log()
+    );
 
     std::fs::write(gate.config_path(), format!("{original}\n[[route]]\nname = 7\n")).unwrap();
     gate.signal("HUP");

@@ -93,8 +93,8 @@ impl Reloader {
     /// Applies `config` to every request that starts from now on; requests
     /// in flight finish under the configuration they started with. The
     /// listeners and the store stay as they are: changing those needs a
-    /// restart, and is logged.
-    pub fn apply(&self, mut config: Config) -> Result<(), ReloadError> {
+    /// restart, and [`Reloaded::log`] says so.
+    pub fn apply(&self, mut config: Config) -> Result<Reloaded, ReloadError> {
         let old = self.gateway.load();
         // Always the values in force since the start: each reload carries
         // them forward (below).
@@ -118,18 +118,13 @@ impl Reloader {
             (store_changed.unwrap_or("store.backend"), store_changed.is_some()),
             ("store.timeout", config.store.timeout != before.store.timeout),
         ];
-        for (field, changed) in restart_only {
-            if changed {
-                tracing::warn!(
-                    field,
-                    "changed: it takes effect after a restart (the rest is applied now)"
-                );
-            }
-        }
-        if config.server.tls.is_some() && tls_files(&config) == tls_files(before) {
-            // The files may have been renewed in place: say what a reload does.
-            tracing::info!("server.tls: the certificate and key were read at start; a renewed one takes a restart");
-        }
+        let waiting = restart_only
+            .iter()
+            .filter(|(_, changed)| *changed)
+            .map(|(field, _)| *field);
+        let waiting = waiting.collect();
+        // The files may have been renewed in place.
+        let tls_kept = config.server.tls.is_some() && tls_files(&config) == tls_files(before);
         // What takes a restart keeps its running value in the configuration
         // applied, so the next reload is compared with what is bound (an
         // admin listener moved back to loopback in the file is still where
@@ -150,8 +145,35 @@ impl Reloader {
         )?;
         let routes = gateway.config().routes.len();
         self.gateway.store(Arc::new(gateway));
-        tracing::info!(routes, "configuration reloaded");
-        Ok(())
+        Ok(Reloaded {
+            waiting,
+            tls_kept,
+            routes,
+        })
+    }
+}
+
+/// What a reload applied, and what waits for a restart: logged once for
+/// all the workers, which each apply the same file.
+#[derive(Debug)]
+pub struct Reloaded {
+    waiting: Vec<&'static str>,
+    tls_kept: bool,
+    routes: usize,
+}
+
+impl Reloaded {
+    pub fn log(&self) {
+        for field in &self.waiting {
+            tracing::warn!(
+                field,
+                "changed: it takes effect after a restart (the rest is applied now)"
+            );
+        }
+        if self.tls_kept {
+            tracing::info!("server.tls: the certificate and key were read at start; a renewed one takes a restart");
+        }
+        tracing::info!(routes = self.routes, "configuration reloaded");
     }
 }
 

@@ -339,7 +339,7 @@ impl Proxy {
     /// Applies a new configuration (as SIGHUP does), with the basics filled in.
     pub fn reload(&self, upstream: &str, toml: &str) {
         let config = Config::parse(&with_basics(upstream, toml), "reload.toml").unwrap_or_else(|e| panic!("{e}"));
-        self.reloader.apply(config).unwrap();
+        self.reloader.apply(config).unwrap().log();
     }
 
     /// Stops accepting and waits for the drain to finish.
