@@ -505,14 +505,35 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, target: &Targe
     let Some(refusal) = refusal else {
         return Ok(());
     };
-    let mut detail = format!("Redis refused to set up the connection: {}", unquoted(&refusal));
+    let mut refusal = unquoted(&refusal).into_owned();
     if let Some(password) = target.password.as_deref().filter(|p| !p.is_empty()) {
-        detail = detail.replace(password, "<password>");
+        refusal = masked(&refusal, password);
     }
     Err(RedisError::from(io::Error::new(
         io::ErrorKind::ConnectionRefused,
-        detail,
+        format!("Redis refused to set up the connection: {refusal}"),
     )))
+}
+
+/// `text` with each occurrence of `secret` that stands on its own (not
+/// inside a word) written `<password>`: masked inside words too, a short
+/// one (`e`) would mangle the text around it and show which letters it is
+/// made of.
+fn masked(text: &str, secret: &str) -> String {
+    let in_word = |c: Option<char>| c.is_some_and(char::is_alphanumeric);
+    let mut out = String::with_capacity(text.len());
+    let mut last = 0;
+    for (i, _) in text.match_indices(secret) {
+        let end = i + secret.len();
+        if i < last || in_word(text[..i].chars().next_back()) || in_word(text[end..].chars().next()) {
+            continue;
+        }
+        out.push_str(&text[last..i]);
+        out.push_str("<password>");
+        last = end;
+    }
+    out.push_str(&text[last..]);
+    out
 }
 
 /// `text` without the arguments a server that does not know a command
@@ -889,6 +910,17 @@ mod tests {
         receive(&mut peer, &both).await;
         peer.write_all(b"$5\r\nfirst\r\n$4\r\nkept\r\n").await.unwrap();
         assert_eq!(kept.await.unwrap().unwrap(), Value::BulkString(b"kept".to_vec()));
+    }
+
+    #[test]
+    fn a_password_is_masked_where_it_stands_on_its_own() {
+        let wrong = "WRONGPASS invalid username-password pair or user is disabled.";
+        assert_eq!(masked(wrong, "e"), wrong);
+        assert_eq!(
+            masked("bad 's3cret' and s3cret.", "s3cret"),
+            "bad '<password>' and <password>."
+        );
+        assert_eq!(masked("xs3cret s3cretx s3cret", "s3cret"), "xs3cret s3cretx <password>");
     }
 
     /// A peer that answers every `PING` it reads, on each connection.
