@@ -277,6 +277,20 @@ fn a_missing_upstream_url_is_named() {
     assert!(error.contains("upstream.url"), "{error}");
 }
 
+/// A route with no methods would take no request: its path would pass
+/// every request through, which a typo should not do silently.
+#[test]
+fn a_route_without_methods_is_named() {
+    for methods in [
+        "[defaults]\nmethods = []\n[[route]]\nname = \"a\"\npath = \"/a\"\n",
+        "[[route]]\nname = \"a\"\npath = \"/a\"\nmethods = []\n",
+    ] {
+        let text = format!("[upstream]\nurl = \"http://h:1\"\n{methods}");
+        let error = Config::parse(&text, "x.toml").unwrap_err().to_string();
+        assert!(error.contains("methods") && error.contains("is empty"), "{error}");
+    }
+}
+
 /// A port the URL parser lets by, which would become the scheme's own
 /// (`:80800` port 80), or no host at all, is named; a route's upstream
 /// is read alike.
@@ -652,6 +666,27 @@ fn check_warns_of_a_route_no_request_can_reach() {
     );
     let warning = the_one_warning_of_check(&path);
     assert!(warning.contains("route[0] matrix: path holds `;` or `//`"), "{warning}");
+}
+
+/// Routes are matched in order: one that an earlier route takes every
+/// request of is never reached, and `check` says so. Narrower routes
+/// listed first, other methods and routes of another host are not.
+#[test]
+fn check_warns_of_a_route_an_earlier_one_shadows() {
+    let path = temp_file(
+        "shadow.toml",
+        "[upstream]\nurl = \"http://127.0.0.1:1\"\n\
+         [[route]]\nname = \"one\"\npath = \"/v1/orders/special\"\n\
+         [[route]]\nname = \"tenant\"\npath = \"/v1/{*rest}\"\nhost = \"a.example\"\n\
+         [[route]]\nname = \"all\"\npath = \"/v1/{*rest}\"\n\
+         [[route]]\nname = \"put\"\npath = \"/v1/orders/{id}\"\nmethods = [\"PUT\"]\n\
+         [[route]]\nname = \"orders\"\npath = \"/v1/orders/{id}\"\n",
+    );
+    let warning = the_one_warning_of_check(&path);
+    assert!(
+        warning.contains("route[4] orders: never reached: route[2] all, listed before it"),
+        "{warning}"
+    );
 }
 
 #[test]

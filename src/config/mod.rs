@@ -461,7 +461,28 @@ pub fn warnings(config: &Config) -> Vec<String> {
                 route.name,
             )
         });
-    leases.chain(unreachable).collect()
+    // Routes are matched in order, the first that takes a request's path
+    // and method winning: one listed after another that takes all its
+    // requests never sees one. (Judged by two sample paths of its own, so
+    // `/v1/{a}/x` before `/v1/{b}/{c}` is not taken for a shadow.)
+    let shadowed = config.routes.iter().enumerate().filter_map(|(j, later)| {
+        let samples = [later.path.sample("x"), later.path.sample("y9")];
+        let (i, earlier) = config.routes[..j].iter().enumerate().find(|(_, earlier)| {
+            let host = match (&earlier.host, &later.host) {
+                (None, _) => true,
+                (Some(a), Some(b)) => a.eq_ignore_ascii_case(b),
+                (Some(_), None) => false,
+            };
+            host && samples.iter().all(|path| earlier.path.matches(path).is_some())
+                && later.policy.methods.iter().all(|m| earlier.accepts(m))
+        })?;
+        Some(format!(
+            "route[{j}] {}: never reached: route[{i}] {}, listed before it, takes every request for its \
+             path and methods (routes are matched in order: list the narrower first)",
+            later.name, earlier.name,
+        ))
+    });
+    leases.chain(unreachable).chain(shadowed).collect()
 }
 
 /// The effective routes, one block each, as `idemgate check` prints them,

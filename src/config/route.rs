@@ -89,6 +89,15 @@ impl PathPattern {
         })
     }
 
+    /// A path the pattern matches, each parameter `fill`.
+    pub fn sample(&self, fill: &str) -> String {
+        let segments = self.segments.iter().map(|segment| match segment {
+            Segment::Literal(text) => text.as_str(),
+            Segment::Param(_) | Segment::Rest(_) => fill,
+        });
+        format!("/{}", segments.collect::<Vec<_>>().join("/"))
+    }
+
     /// Whether the pattern names a path parameter `name`.
     pub fn has_param(&self, name: &str) -> bool {
         self.segments.iter().any(|s| match s {
