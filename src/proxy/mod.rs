@@ -328,6 +328,11 @@ impl Gateway {
         // two go to different places, the request is refused rather than
         // let past a route either way.
         let decoded = crate::config::decode_unreserved(request.uri().path());
+        // A NUL ends the path in C, and a backend that decodes it reads the
+        // path that far, or fails: nginx refuses it (400) as it decodes.
+        if decoded.contains("%00") {
+            return Routed::Refused("the path holds an escaped NUL (%00), which no path may");
+        }
         let as_written = self.route_by(host, &decoded, request.method());
         // `/v1%2Forders` is `/v1/orders` to a backend that decodes the path
         // before it routes it, and not to others: refused when so read it
