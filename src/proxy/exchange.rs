@@ -595,15 +595,15 @@ impl Exchange {
             Some(Err(error)) => {
                 counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(route = %live.route.name, key = %key.tag(), error = %error_chain(&error), "upstream failed after the request was sent");
-                // No head: nothing says the backend did not act.
-                let problem = fail(guard, policy, Failure::Broken, true).await;
+                // No head: nothing says whether the backend acted.
+                let problem = fail(guard, policy, Failure::Broken, None).await;
                 let _ = reply.send(problem.response());
                 return;
             }
             None => {
                 counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(route = %live.route.name, key = %key.tag(), "upstream timed out");
-                let problem = fail(guard, policy, Failure::Timeout, true).await;
+                let problem = fail(guard, policy, Failure::Timeout, None).await;
                 let _ = reply.send(problem.response());
                 return;
             }
@@ -647,7 +647,7 @@ impl Exchange {
                 }
                 Some(Some(Err(error))) => {
                     tracing::warn!(route = %live.route.name, key = %key.tag(), %error, "upstream body broke off");
-                    let problem = fail(guard, policy, Failure::Broken, keep).await;
+                    let problem = fail(guard, policy, Failure::Broken, Some(keep)).await;
                     let _ = reply.send(problem.response());
                     return;
                 }
@@ -697,13 +697,13 @@ impl Exchange {
                     Ok(Some(Ok(frame))) => frame,
                     Ok(Some(Err(error))) => {
                         tracing::warn!(route = %live.route.name, key = %key.tag(), %error, "upstream body broke off");
-                        fail(guard, policy, Failure::Broken, keep).await;
+                        fail(guard, policy, Failure::Broken, Some(keep)).await;
                         abort(relay.client, "the upstream response broke off");
                         return;
                     }
                     Err(_) => {
                         tracing::warn!(route = %live.route.name, key = %key.tag(), "upstream body timed out");
-                        fail(guard, policy, Failure::Timeout, keep).await;
+                        fail(guard, policy, Failure::Timeout, Some(keep)).await;
                         abort(relay.client, "the upstream response timed out");
                         return;
                     }
@@ -792,16 +792,20 @@ fn kept_headers<'a>(
         .filter(|(name, _)| !policy.replay_drop_headers.contains(name))
 }
 
-/// Applies `on_upstream_failure` and names the problem the first client
-/// gets. An answer whose head has come but that would not be `kept` (one
-/// that says the backend did not act, a 5xx that `on_server_error`
-/// releases) is released whatever the policy: its head settled that a
-/// retry may run.
-async fn fail(guard: ClaimGuard, policy: &Policy, failure: Failure, kept: bool) -> Problem {
-    let on_failure = if kept {
-        policy.on_upstream_failure
-    } else {
-        OnUpstreamFailure::Release
+/// Settles an exchange whose answer broke off or timed out, and names the
+/// problem the first client gets. Before the answer's head came
+/// (`head` None), nothing says whether the backend acted, and
+/// `on_upstream_failure` decides. After it, the head did: one the route
+/// would keep (`Some(true)`: a 201, say) says the backend acted, so the
+/// key is kept as an unknown outcome whatever the policy, as a released
+/// key would run the request again on every retry; one it would not keep
+/// (a 429, a 5xx that `on_server_error` releases) is released, as its
+/// head settled that a retry may run.
+async fn fail(guard: ClaimGuard, policy: &Policy, failure: Failure, head: Option<bool>) -> Problem {
+    let on_failure = match head {
+        None => policy.on_upstream_failure,
+        Some(true) => OnUpstreamFailure::Unknown,
+        Some(false) => OnUpstreamFailure::Release,
     };
     match on_failure {
         OnUpstreamFailure::Release => guard.release().await,
