@@ -507,7 +507,8 @@ async fn doubled_slashes_and_path_parameters_that_change_the_route_are_refused()
 async fn escaped_slashes_that_would_reach_a_route_are_refused() {
     let upstream = Upstream::created().await;
     let config = format!(
-        "{}[[route]]\nname = \"files\"\npath = \"/files/{{name}}\"\nmethods = [\"PUT\"]\n",
+        "{}[[route]]\nname = \"files\"\npath = \"/files/{{name}}\"\nmethods = [\"PUT\"]\n\
+         [[route]]\nname = \"trees\"\npath = \"/files/{{*path}}\"\nmethods = [\"PUT\"]\n",
         support::ORDERS
     );
     let proxy = Proxy::start(&upstream.url(), &config).await;
@@ -525,7 +526,8 @@ async fn escaped_slashes_that_would_reach_a_route_are_refused() {
         assert_eq!(answer.problem(), "bad-request", "{path}");
     }
     assert_eq!(upstream.hits(), 0);
-    // A route takes it as written: claimed, replayed, forwarded as sent.
+    // A route takes it as written (another takes it decoded): claimed,
+    // replayed, forwarded as sent.
     for replayed in [false, true] {
         let answer = client
             .send("PUT", &proxy.url("/files/a%2Fb"), &[("idempotency-key", "f")], "{}")

@@ -335,16 +335,17 @@ impl Gateway {
         }
         let as_written = self.route_by(host, &decoded, request.method());
         // `/v1%2Forders` is `/v1/orders` to a backend that decodes the path
-        // before it routes it, and not to others: refused when so read it
-        // reaches a route the path as written does not take. Read as the
-        // route as written takes it, a path with a `%2F` in a parameter
-        // (`/files/a%2Fb`) is protected either way and goes on.
-        if let Some(slashed) = crate::config::slashes_decoded(&decoded) {
+        // before it routes it, and not to others: refused when, so read, it
+        // would be claimed and as written it would not. A path a route
+        // takes as written (`/files/a%2Fb`) is claimed either way (records
+        // are kept by scope and key, not by route) and goes on.
+        if let Some(slashed) = crate::config::slashes_decoded(&decoded)
+            && !matches!(as_written, Routed::Idempotent(..))
+        {
             let mut readings = crate::config::as_backends_may_read(&slashed);
             readings.push(slashed);
             for reading in &readings {
-                let there = self.route_by(host, reading, request.method());
-                if matches!(there, Routed::Idempotent(..)) && !there.same_place(&as_written) {
+                if matches!(self.route_by(host, reading, request.method()), Routed::Idempotent(..)) {
                     return Routed::Refused(
                         "the path read with its `%2F` decoded to `/`, as backends may read it, reaches a route \
                          the path as written does not; send it in that form",
