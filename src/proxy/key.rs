@@ -150,11 +150,15 @@ pub fn identity<'a>(name: &HeaderName, value: &'a [u8]) -> Cow<'a, [u8]> {
         Some(colon) if value[colon + 1..].iter().all(u8::is_ascii_digit) => colon,
         _ => value.len(),
     };
-    let dot = value[..host_end].ends_with(b".") && host_end > 1;
-    if !dot && !value.iter().any(u8::is_ascii_uppercase) {
+    // Every trailing dot, as routes drop them (`api.example.com..` too).
+    let mut name_end = host_end;
+    while name_end > 1 && value[name_end - 1] == b'.' {
+        name_end -= 1;
+    }
+    if name_end == host_end && !value.iter().any(u8::is_ascii_uppercase) {
         return Cow::Borrowed(value);
     }
-    let host = &value[..host_end - usize::from(dot)];
+    let host = &value[..name_end];
     let mut normal = Vec::with_capacity(value.len());
     normal.extend(host.iter().map(u8::to_ascii_lowercase));
     normal.extend_from_slice(&value[host_end..]);
@@ -223,6 +227,7 @@ mod tests {
             ("api.example.com", "api.example.com"),
             ("API.Example.com.", "api.example.com"),
             ("API.Example.com.:8443", "api.example.com:8443"),
+            ("api.example.com..", "api.example.com"),
             ("api.example.com:", "api.example.com:"),
             ("[::1]", "[::1]"),
             ("[::1]:80", "[::1]:80"),
