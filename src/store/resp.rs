@@ -522,15 +522,17 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, target: &Targe
 fn masked(text: &str, secret: &str) -> String {
     let in_word = |c: Option<char>| c.is_some_and(char::is_alphanumeric);
     let mut out = String::with_capacity(text.len());
-    let mut last = 0;
-    for (i, _) in text.match_indices(secret) {
-        let end = i + secret.len();
-        if i < last || in_word(text[..i].chars().next_back()) || in_word(text[end..].chars().next()) {
+    let (mut last, mut from) = (0, 0);
+    while let Some(found) = text[from..].find(secret) {
+        let (i, end) = (from + found, from + found + secret.len());
+        if in_word(text[..i].chars().next_back()) || in_word(text[end..].chars().next()) {
+            // One inside a word: one may still begin within it.
+            from = i + text[i..].chars().next().map_or(1, char::len_utf8);
             continue;
         }
         out.push_str(&text[last..i]);
         out.push_str("<password>");
-        last = end;
+        (last, from) = (end, end);
     }
     out.push_str(&text[last..]);
     out
@@ -921,6 +923,7 @@ mod tests {
             "bad '<password>' and <password>."
         );
         assert_eq!(masked("xs3cret s3cretx s3cret", "s3cret"), "xs3cret s3cretx <password>");
+        assert_eq!(masked("xab ab ab", "ab ab"), "xab <password>");
     }
 
     /// A peer that answers every `PING` it reads, on each connection.
