@@ -277,18 +277,16 @@ fn a_missing_upstream_url_is_named() {
     assert!(error.contains("upstream.url"), "{error}");
 }
 
-/// A route with no methods would take no request: its path would pass
-/// every request through, which a typo should not do silently.
+/// A route with no methods claims no request: its path passes every
+/// request through, which a slip should not do silently; `check` says so.
 #[test]
-fn a_route_without_methods_is_named() {
-    for methods in [
-        "[defaults]\nmethods = []\n[[route]]\nname = \"a\"\npath = \"/a\"\n",
-        "[[route]]\nname = \"a\"\npath = \"/a\"\nmethods = []\n",
-    ] {
-        let text = format!("[upstream]\nurl = \"http://h:1\"\n{methods}");
-        let error = Config::parse(&text, "x.toml").unwrap_err().to_string();
-        assert!(error.contains("methods") && error.contains("is empty"), "{error}");
-    }
+fn check_warns_of_a_route_without_methods() {
+    let path = temp_file(
+        "methods.toml",
+        "[upstream]\nurl = \"http://127.0.0.1:1\"\n[[route]]\nname = \"a\"\npath = \"/a\"\nmethods = []\n",
+    );
+    let warning = the_one_warning_of_check(&path);
+    assert!(warning.contains("route[0] a: methods is empty"), "{warning}");
 }
 
 /// A port the URL parser lets by, which would become the scheme's own
@@ -678,13 +676,15 @@ fn check_warns_of_a_route_an_earlier_one_shadows() {
         "[upstream]\nurl = \"http://127.0.0.1:1\"\n\
          [[route]]\nname = \"one\"\npath = \"/v1/orders/special\"\n\
          [[route]]\nname = \"tenant\"\npath = \"/v1/{*rest}\"\nhost = \"a.example\"\n\
+         [[route]]\nname = \"one-segment\"\npath = \"/v1/{id}\"\n\
+         [[route]]\nname = \"deep\"\npath = \"/v1/{*rest}\"\nhost = \"b.example\"\n\
          [[route]]\nname = \"all\"\npath = \"/v1/{*rest}\"\n\
          [[route]]\nname = \"put\"\npath = \"/v1/orders/{id}\"\nmethods = [\"PUT\"]\n\
          [[route]]\nname = \"orders\"\npath = \"/v1/orders/{id}\"\n",
     );
     let warning = the_one_warning_of_check(&path);
     assert!(
-        warning.contains("route[4] orders: never reached: route[2] all, listed before it"),
+        warning.contains("route[6] orders: never reached: route[4] all, listed before it"),
         "{warning}"
     );
 }

@@ -464,9 +464,10 @@ pub fn warnings(config: &Config) -> Vec<String> {
     // Routes are matched in order, the first that takes a request's path
     // and method winning: one listed after another that takes all its
     // requests never sees one. (Judged by two sample paths of its own, so
-    // `/v1/{a}/x` before `/v1/{b}/{c}` is not taken for a shadow.)
+    // `/v1/{a}/x` before `/v1/{b}/{c}`, or `/v1/{id}` before `/v1/{*rest}`,
+    // is not taken for a shadow.)
     let shadowed = config.routes.iter().enumerate().filter_map(|(j, later)| {
-        let samples = [later.path.sample("x"), later.path.sample("y9")];
+        let samples = [later.path.sample("x", 1), later.path.sample("y9", 2)];
         let (i, earlier) = config.routes[..j].iter().enumerate().find(|(_, earlier)| {
             let host = match (&earlier.host, &later.host) {
                 (None, _) => true,
@@ -482,7 +483,21 @@ pub fn warnings(config: &Config) -> Vec<String> {
             later.name, earlier.name,
         ))
     });
-    leases.chain(unreachable).chain(shadowed).collect()
+    // Legal (requests for its path pass through to its upstream), but
+    // more likely a slip than a pass-through route.
+    let no_methods = config
+        .routes
+        .iter()
+        .enumerate()
+        .filter(|(_, route)| route.policy.methods.is_empty());
+    let no_methods = no_methods.map(|(i, route)| {
+        format!(
+            "route[{i}] {}: methods is empty: no request is claimed; requests for its path pass \
+             through to its upstream",
+            route.name
+        )
+    });
+    leases.chain(unreachable).chain(shadowed).chain(no_methods).collect()
 }
 
 /// The effective routes, one block each, as `idemgate check` prints them,

@@ -89,11 +89,14 @@ impl PathPattern {
         })
     }
 
-    /// A path the pattern matches, each parameter `fill`.
-    pub fn sample(&self, fill: &str) -> String {
+    /// A path the pattern matches, each parameter `fill`, and a rest of
+    /// the path `fill` as many times as `rest` says.
+    pub fn sample(&self, fill: &str, rest: usize) -> String {
+        let rest = vec![fill; rest.max(1)].join("/");
         let segments = self.segments.iter().map(|segment| match segment {
             Segment::Literal(text) => text.as_str(),
-            Segment::Param(_) | Segment::Rest(_) => fill,
+            Segment::Param(_) => fill,
+            Segment::Rest(_) => &rest,
         });
         format!("/{}", segments.collect::<Vec<_>>().join("/"))
     }

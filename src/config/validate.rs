@@ -248,11 +248,6 @@ fn builtin_policy() -> Policy {
 fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
     let f = |name: &str| format!("{at}.{name}");
     let methods = c.field(&f("methods"), raw.methods.as_ref(), base.methods.clone(), |ms| {
-        if ms.is_empty() {
-            return Err(
-                "is empty: the route would take no request (list the methods it guards, e.g. [\"POST\"])".into(),
-            );
-        }
         ms.iter()
             .map(|m| {
                 let m = m.trim();
