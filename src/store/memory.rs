@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use smallvec::SmallVec;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -112,7 +113,10 @@ impl Due {
 
 /// Deadlines of one duration, in the order they were set: when each falls,
 /// the sequence number it was set under, and whose it is.
-type DeadlineQueue = VecDeque<(Instant, u64, RecordKey)>;
+/// A deadline, the sequence number of the entry's deadline it stands for,
+/// and the entry's key.
+type DeadlineItem = (Instant, u64, RecordKey);
+type DeadlineQueue = VecDeque<DeadlineItem>;
 
 struct Entry {
     fingerprint: Fingerprint,
@@ -197,15 +201,17 @@ impl Deadlines {
         deadline
     }
 
-    /// The TTL queue, of answers or of `guards`, whose front record was
-    /// completed (or refreshed) longest ago: the next to evict.
-    fn oldest_ttl(&mut self, guards: bool) -> Option<&mut DeadlineQueue> {
-        let queues = if guards { &mut self.guards } else { &mut self.ttls };
-        queues
-            .iter_mut()
-            .map(|(_, queue)| queue)
-            .filter(|queue| !queue.is_empty())
-            .min_by_key(|queue| queue.front().map_or(u64::MAX, |&(_, seq, _)| seq))
+    /// The TTL queues of answers, or of `guards`.
+    fn ttl_queues(&mut self, guards: bool) -> &mut [(Duration, DeadlineQueue)] {
+        if guards { &mut self.guards } else { &mut self.ttls }
+    }
+
+    /// Which of [`Deadlines::ttl_queues`] has the front record completed
+    /// (or refreshed) longest ago: the next to evict.
+    fn oldest_ttl(&mut self, guards: bool) -> Option<usize> {
+        let queues = self.ttl_queues(guards).iter().enumerate();
+        let fronts = queues.filter_map(|(i, (_, queue))| Some((i, queue.front()?.1)));
+        fronts.min_by_key(|&(_, seq)| seq).map(|(i, _)| i)
     }
 }
 
@@ -343,8 +349,9 @@ impl Shard {
         self.evict_of(true, budget, newest, evicted);
     }
 
-    /// How many records to evict together from a shard over `budget`: as
-    /// many as the excess needs, by the shard's average record, and more,
+    /// How many records to take and look up together from a shard over
+    /// `budget` (at most: see [`Shard::evict_of`]): as many as the excess
+    /// needs, by the shard's average record, and more,
     /// up to [`EVICT_BATCH`], only while they fit in a thirty-second of the
     /// budget below it. Small records go a batch at a time; large ones
     /// (a shard of a few answers near `max_response_body`) one at a time,
@@ -360,16 +367,24 @@ impl Shard {
         wanted.min(EVICT_BATCH)
     }
 
-    /// [`Shard::evict_to`]'s work on one kind of record.
+    /// [`Shard::evict_to`]'s work on one kind of record. A batch is taken
+    /// from the queues and looked up together; its records are then
+    /// evicted in order only while the shard is still over its budget, or
+    /// within a thirty-second below it (a shard's average can hide a few
+    /// large records among many small ones), and the rest go back to the
+    /// front of their queues, as they were.
     fn evict_of(&mut self, guards: bool, budget: usize, newest: &RecordKey, evicted: &mut Vec<Entry>) {
+        let floor = budget - budget / 32;
         while self.bytes > budget {
             let wanted = self.batch_for(budget);
-            let mut batch = [(0, RecordKey([0; 32])); EVICT_BATCH];
-            let mut taken = 0;
-            while taken < wanted
-                && let Some(queue) = self.deadlines.oldest_ttl(guards)
-                && let Some(&(_, seq, key)) = queue.front()
+            // Each with the queue it came from.
+            let mut batch: SmallVec<[(usize, DeadlineItem); EVICT_BATCH]> = SmallVec::new();
+            while batch.len() < wanted
+                && let Some(at) = self.deadlines.oldest_ttl(guards)
             {
+                let queue = &mut self.deadlines.ttl_queues(guards)[at].1;
+                let Some(&item) = queue.front() else { break };
+                let (_, seq, key) = item;
                 // The record just written stays; an older item of its key
                 // (from before a purge or expiry) is only stale.
                 if key == *newest && current(&self.entries, &key, seq) {
@@ -377,20 +392,31 @@ impl Shard {
                 }
                 queue.pop_front();
                 if key != *newest {
-                    batch[taken] = (seq, key);
-                    taken += 1;
+                    batch.push((at, item));
                 }
             }
-            if taken == 0 {
+            if batch.is_empty() {
                 break;
             }
             // Every lookup first, so their misses overlap; then the removals,
             // which find the slots in the cache.
-            let current: [bool; EVICT_BATCH] =
-                std::array::from_fn(|i| i < taken && self.is_completed(&batch[i].1, batch[i].0));
-            evicted.reserve(taken);
-            for (&(_, key), _) in batch[..taken].iter().zip(current).filter(|(_, current)| *current) {
-                evicted.extend(self.remove(&key));
+            let current: [bool; EVICT_BATCH] = std::array::from_fn(|i| {
+                batch
+                    .get(i)
+                    .is_some_and(|&(_, (_, seq, key))| self.is_completed(&key, seq))
+            });
+            let mut kept = batch.len();
+            for (i, &(_, (_, _, key))) in batch.iter().enumerate() {
+                if self.bytes <= floor {
+                    kept = i;
+                    break;
+                }
+                if current[i] {
+                    evicted.extend(self.remove(&key));
+                }
+            }
+            for &(at, item) in batch[kept..].iter().rev() {
+                self.deadlines.ttl_queues(guards)[at].1.push_front(item);
             }
         }
     }
@@ -843,6 +869,42 @@ mod tests {
             }
             assert_eq!(least, fits + 1 - batch, "records of {body} bytes");
         }
+    }
+
+    /// A shard's average hides a few large records among many small ones:
+    /// the batch it sizes may hold them all, but they go only as far as
+    /// the budget needs, the rest kept in their place.
+    #[tokio::test]
+    async fn a_few_large_records_among_many_small_go_only_as_the_budget_needs() {
+        let (large, small) = (outcome_size(&response(100 * 1024)), outcome_size(&response(100)));
+        let share = 4 * large + 200 * small;
+        let store = MemoryStore::new((SHARDS * share) as u64);
+        let fp = Fingerprint([0; 32]);
+        let keys: Vec<RecordKey> = keys_of_shard(9).take(4 + 400).collect();
+        for (i, key) in keys.iter().enumerate() {
+            let owner = Owner(i as u128);
+            store
+                .claim(key, &fp, owner, Duration::from_secs(30), None)
+                .await
+                .unwrap();
+            let answer = response(if i < 4 { 100 * 1024 } else { 100 });
+            assert!(
+                store
+                    .complete(key, &fp, owner, answer, Duration::from_secs(60))
+                    .await
+                    .unwrap()
+            );
+            let bytes = store.stored_bytes();
+            assert!(bytes <= share, "{bytes} bytes held over a budget of {share}");
+            assert!(
+                i < 4 + 200 || bytes + large >= share - share / 32,
+                "{bytes} bytes held of {share} after {} stored",
+                i + 1
+            );
+        }
+        // The large ones went one by one, oldest first, as the small came.
+        let held = |key: &RecordKey| lock(&store.shared.shards[9]).entries.contains_key(key);
+        assert!(!held(&keys[0]) && held(&keys[403]));
     }
 
     #[tokio::test]
