@@ -94,6 +94,10 @@ fn script(path: &str) -> (&'static [u8], bool) {
         // The first request on a connection is answered; a later one is
         // read and the connection closed unanswered (see `raw_upstream`).
         "/dropped" | "/dropped-claimed" => (b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\ndropped", false),
+        // Heads cut off after their status: one that says the backend
+        // acted, and one that says it did not.
+        "/cut-head" => (b"HTTP/1.1 201 Created\r\nlocation: /v1/orders/77\r\n", true),
+        "/cut-busy" => (b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 1\r\n", true),
         _ => (b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n", false),
     }
 }
@@ -429,6 +433,8 @@ on_upstream_failure = "release"
         ("/too-many-headers", true),
         ("/garbage", false),
         ("/busy-gzip", false),
+        ("/cut-head", true),
+        ("/cut-busy", false),
     ];
     for (path, _) in paths {
         let answer = client.send("GET", &proxy.url(path), &[], "").await;
@@ -730,4 +736,58 @@ async fn a_listed_content_length_reaches_http2_clients_as_one_number() {
         let body = http_body_util::BodyExt::collect(response.into_body()).await.unwrap();
         assert_eq!(body.to_bytes(), "listed");
     }
+}
+
+/// A backend that answers a HEAD and then, a moment late, sends its body
+/// all the same (a common slip): the connection is not pooled, so those
+/// bytes are never read as the next request's answer, recorded, and
+/// replayed.
+#[tokio::test]
+async fn a_connection_is_not_reused_after_a_head_answer() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut read = Vec::new();
+                loop {
+                    let mut chunk = [0u8; 4096];
+                    match socket.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => read.extend_from_slice(&chunk[..n]),
+                    }
+                    let Some(end) = read.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&read[..end]).to_lowercase();
+                    read.drain(..end + 4);
+                    if head.starts_with("head ") {
+                        let _ = socket.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n").await;
+                        tokio::time::sleep(Duration::from_millis(30)).await;
+                        let _ = socket.write_all(b"STRAY").await;
+                    } else {
+                        // The request's body, `{}`, then the real answer.
+                        read.drain(..2.min(read.len()));
+                        tokio::time::sleep(Duration::from_millis(60)).await;
+                        let _ = socket
+                            .write_all(b"HTTP/1.1 201 Created\r\ncontent-length: 7\r\n\r\norder-1")
+                            .await;
+                    }
+                }
+            });
+        }
+    });
+    let proxy = Proxy::start(&url, support::ORDERS).await;
+    let client = TestClient::default();
+    let head = client.send("HEAD", &proxy.url("/v1/orders"), &[], "").await;
+    assert_eq!(head.status, StatusCode::OK);
+    let created = client.post(&proxy.url("/v1/orders"), "after-head", "{}").await;
+    assert_eq!(
+        (created.status, created.text()),
+        (StatusCode::CREATED, "order-1".to_owned())
+    );
+    let replay = client.post(&proxy.url("/v1/orders"), "after-head", "{}").await;
+    assert!(replay.replayed());
+    assert_eq!(replay.text(), "order-1");
 }

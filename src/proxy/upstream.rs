@@ -776,12 +776,25 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
         if conn.buf.len() > MAX_HEAD {
             return Err(refused(status_line(&conn.buf), "the response head is too large"));
         }
-        if conn.fill().await.map_err(UpstreamError::Io)? == 0 {
-            return Err(UpstreamError::Io(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "the upstream closed the connection before answering",
-            )));
+        if conn.fill().await.map_err(|error| broke_off(&conn.buf, error))? == 0 {
+            return Err(broke_off(
+                &conn.buf,
+                io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the upstream closed the connection before answering",
+                ),
+            ));
         }
+    }
+}
+
+/// A connection that failed while an answer's head came in: refused by
+/// the head's status when it began with one (the backend had the request:
+/// see [`UpstreamError::Refused`]), else a failure no answer explains.
+fn broke_off(buf: &[u8], error: io::Error) -> UpstreamError {
+    match status_line(buf) {
+        Some(status) => UpstreamError::Refused(status, "the answer broke off within its head"),
+        None => UpstreamError::Io(error),
     }
 }
 
@@ -805,7 +818,10 @@ fn framing(
         // that declares a body may send it, and its bytes would be read as
         // the answer to the next request on this connection.
         let stray = status == StatusCode::NO_CONTENT && (noted.transfer_encoding || length.is_some_and(|l| l > 0));
-        return Ok((Framing::Empty, keep_alive && !stray));
+        // Nor is one after a HEAD: a backend that sends a HEAD's body all
+        // the same (a common slip), a moment late, would have it read as
+        // the next request's answer, recorded, and replayed.
+        return Ok((Framing::Empty, keep_alive && !stray && !head_only));
     }
     if noted.transfer_encoding {
         // Only `chunked` is decoded, and Transfer-Encoding is this hop's:
@@ -1139,9 +1155,10 @@ mod tests {
             f(&response(200, &[("content-length", "3")]), false, 1),
             (Framing::Length(3), true)
         ));
+        // A HEAD's answer: bodiless, and its connection not reused.
         assert!(matches!(
             f(&response(200, &[("content-length", "3")]), true, 1),
-            (Framing::Empty, true)
+            (Framing::Empty, false)
         ));
         assert!(matches!(f(&response(204, &[]), false, 1), (Framing::Empty, true)));
         // A 204 that declares a body may send it: not reused. A 304's
