@@ -394,7 +394,8 @@ fn check_output_masks_redis_passwords() {
 fn check_output_reads_as_the_config_is_written() {
     let text = "[upstream]\nurl = \"http://h:1\"\n[store]\nbackend = \"memory\"\nmax_memory = \"64MiB\"\non_error = \"pass\"\n\
         [[route]]\nname = \"a\"\npath = \"/a\"\non_in_flight = \"wait\"\non_server_error = \"store\"\n\
-        on_upstream_failure = \"unknown\"\nmode = \"shadow\"\nmax_response_body = 1500\nfingerprint = { body = \"json\" }\n";
+        on_upstream_failure = \"unknown\"\nmode = \"shadow\"\nmax_response_body = 1500\nfingerprint = { body = \"json\" }\n\
+        forward_key_header = \"X-Req-Id\"\nreplay_drop_headers = [\"x-backend\"]\nkey = { max_length = 64 }\n";
     let described = idemgate::config::describe(&Config::parse(text, "x.toml").unwrap());
     for says in [
         "store memory (max_memory 64MiB), on_error pass",
@@ -404,6 +405,9 @@ fn check_output_reads_as_the_config_is_written() {
         "mode shadow",
         "fingerprint body json",
         "max_response_body 1500",
+        "max_length 64",
+        "forwarded as x-req-id",
+        "replay   drops [x-backend]",
     ] {
         assert!(described.contains(says), "{says:?} in {described}");
     }
@@ -718,7 +722,9 @@ fn a_bad_config_exits_non_zero_before_binding_any_port() {
     std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
     let missing = idemgate(&["check", "--config", "/nonexistent/idemgate.toml"]);
     assert_eq!(missing.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/idemgate.toml"));
+    let said = String::from_utf8_lossy(&missing.stderr);
+    assert!(said.contains("/nonexistent/idemgate.toml"), "{said}");
+    assert_eq!(said.matches("No such file").count(), 1, "the cause once: {said}");
 }
 
 #[test]

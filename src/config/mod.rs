@@ -283,12 +283,10 @@ impl Choice for BodyMode {
 /// Everything wrong with one configuration file.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{file}: cannot read: {source}")]
-    Read {
-        file: String,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The cause is in the message, not a source too: printed with its
+    /// chain, it would be said twice.
+    #[error("{file}: cannot read: {cause}")]
+    Read { file: String, cause: std::io::Error },
     #[error("{file}: {message}")]
     Parse { file: String, message: String },
     #[error("{file}: {} problem(s):\n{}", .problems.len(), list(.problems))]
@@ -320,9 +318,9 @@ impl Config {
     /// Reads and validates the file at `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
             file: file.clone(),
-            source,
+            cause,
         })?;
         Config::parse(&text, &file)
     }
@@ -541,7 +539,13 @@ pub fn describe(config: &Config) -> String {
             route.host.as_ref().map(|h| format!(" host {h}")).unwrap_or_default()
         );
         let _ = writeln!(out, "  upstream {}", config.upstream_of(route));
-        let _ = writeln!(out, "  key      {key}; scope [{}]", names(&p.scope));
+        let _ = writeln!(
+            out,
+            "  key      {key}, max_length {}; scope [{}]; forwarded as {}",
+            p.key.max_length,
+            names(&p.scope),
+            p.forward_key_header.as_ref().map_or("(not sent)", HeaderName::as_str)
+        );
         let _ = writeln!(
             out,
             "  ttl      {}  lock_timeout {}  refresh_ttl_on_replay {}",
@@ -566,6 +570,7 @@ pub fn describe(config: &Config) -> String {
             p.fingerprint.ignore.join(", "),
             size(p.max_response_body)
         );
+        let _ = writeln!(out, "  replay   drops [{}]", names(&p.replay_drop_headers));
     }
     out
 }
