@@ -60,7 +60,7 @@ async fn request_logs_name_route_outcome_and_key_hash_but_never_secrets() {
 #[tokio::test]
 async fn the_binary_logs_plain_text_or_json_lines_and_never_secrets() {
     let upstream = Upstream::created().await;
-    for format in ["text", "json"] {
+    for format in ["text", "json", "xml"] {
         let env = [("RUST_LOG", "debug"), ("IDEMGATE_LOG_FORMAT", format), ("NO_COLOR", "")];
         let config = format!("[store]\nbackend = \"memory\"\n{}", support::ORDERS);
         let gate = Binary::start_with_env(&upstream.url(), &config, &env).await;
@@ -101,6 +101,8 @@ async fn the_binary_logs_plain_text_or_json_lines_and_never_secrets() {
                 assert!(line["level"].is_string(), "{line}");
             }
         }
+        // A format it does not know: text, and a warning that says so.
+        assert_eq!(log.contains("IDEMGATE_LOG_FORMAT is \"xml\""), format == "xml", "{log}");
     }
 }
 

@@ -113,12 +113,16 @@ pub fn init() {
         .with_env_filter(filter)
         .with_ansi(colour)
         .with_writer(std::io::stderr);
-    let json = std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"));
+    let format = std::env::var("IDEMGATE_LOG_FORMAT").unwrap_or_default();
+    let json = format.eq_ignore_ascii_case("json");
     let _ = if json {
         builder.json().try_init()
     } else {
         builder.try_init()
     };
+    if !json && !format.is_empty() && !format.eq_ignore_ascii_case("text") {
+        tracing::warn!("IDEMGATE_LOG_FORMAT is {format:?}, neither \"json\" nor \"text\": logging text");
+    }
 }
 
 #[cfg(test)]
