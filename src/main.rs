@@ -222,6 +222,16 @@ fn serve(path: &Path) -> anyhow::Result<()> {
         // is applied once they run, instead of ending the process, which
         // is what SIGHUP does by default.
         let hangups = hangups()?;
+        // A write past RLIMIT_FSIZE then fails (EFBIG), as a full disk's
+        // does, and the embedded store says so and stops taking claims,
+        // instead of SIGXFSZ ending the process without a word (and every
+        // restart under the same limit again).
+        // (Once handled, always: the handle itself may go.)
+        #[cfg(target_os = "linux")]
+        let _ = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::from_raw(
+            rustix::process::Signal::XFSZ.as_raw(),
+        ))
+        .context("cannot handle SIGXFSZ")?;
         // The store before the ports: one that cannot open (a file another
         // idemgate holds, a directory it may not write) is named in the
         // error before anything listens.

@@ -484,21 +484,19 @@ impl Binary {
     }
 
     /// As [`Binary::start`], with writes past `bytes` into any file failing
-    /// with `EFBIG` (`RLIMIT_FSIZE`, and `SIGXFSZ` ignored rather than
-    /// fatal): a disk that fills up, for this process only.
+    /// (`RLIMIT_FSIZE`: the binary takes `SIGXFSZ` itself, so the write
+    /// fails with `EFBIG`): a disk that fills up, for this process only.
     pub async fn start_with_file_size_limit(upstream: &str, toml: &str, bytes: u64) -> Binary {
         Binary::start_with_command(upstream, toml, |command| {
-            // SAFETY: between fork and exec only async-signal-safe calls
-            // are made (setrlimit, signal), and nothing is allocated.
+            // SAFETY: between fork and exec only an async-signal-safe call
+            // is made (setrlimit), and nothing is allocated.
             unsafe {
                 std::os::unix::process::CommandExt::pre_exec(command, move || {
                     let limit = libc::rlimit {
                         rlim_cur: bytes,
                         rlim_max: bytes,
                     };
-                    if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0
-                        || libc::signal(libc::SIGXFSZ, libc::SIG_IGN) == libc::SIG_ERR
-                    {
+                    if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
                     Ok(())
