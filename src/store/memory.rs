@@ -31,8 +31,9 @@ use crate::clock::{coarse_lag, coarse_now};
 use super::{Claim, Fingerprint, KeyMap, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 
 const SHARDS: usize = 16;
-/// Records evicted together once a shard is over its budget, which then
-/// holds up to this many fewer. The oldest records sit in memory nothing
+/// Records taken and looked up together, at most, once a shard is over its
+/// budget (then evicted only as far as the budget needs: see
+/// [`Shard::evict_of`]). The oldest records sit in memory nothing
 /// has touched since they were written: looked up and dropped one by one,
 /// each waits on a chain of cache misses (its slot in the map, then its
 /// answer's count and header list); a batch's lookups, and then its first
