@@ -98,6 +98,11 @@ fn script(path: &str) -> (&'static [u8], bool) {
         // acted, and one that says it did not.
         "/cut-head" => (b"HTTP/1.1 201 Created\r\nlocation: /v1/orders/77\r\n", true),
         "/cut-busy" => (b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 1\r\n", true),
+        // Heads that stop after their status, the connection left open.
+        "/stall-head" => (b"HTTP/1.1 201 Created\r\nlocation: /v1/orders/78\r\n", false),
+        "/stall-busy" => (b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 1\r\n", false),
+        "/stall-continue" => (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\n", false),
+        "/stall-interim" => (b"HTTP/1.1 100 Continue\r\n\r\n", false),
         _ => (b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n", false),
     }
 }
@@ -456,6 +461,49 @@ on_upstream_failure = "release"
     // Each path's GET and first POST, and the second POST where released.
     let released = paths.iter().filter(|(_, kept)| !kept).count();
     assert_eq!(upstream.bodies.lock().unwrap().len(), 2 * paths.len() + released);
+}
+
+/// A head that stops after its status line until `upstream.timeout` is
+/// a 504, settled by that status as a head cut off by a reset is: one that
+/// says the backend acted keeps its key as an unknown outcome, even where
+/// `on_upstream_failure = "release"`; a 429 is released. An interim 100
+/// says nothing of the outcome: `on_upstream_failure` decides.
+#[tokio::test]
+async fn a_head_that_stalls_after_its_status_is_settled_by_that_status() {
+    let (upstream, proxy) = behind_proxy(
+        r#"
+[upstream]
+timeout = "300ms"
+[[route]]
+name = "stalled"
+path = "/{answer}"
+on_upstream_failure = "release"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    let paths = [
+        ("/stall-head", true),
+        ("/stall-continue", true),
+        ("/stall-busy", false),
+        ("/stall-interim", false),
+    ];
+    for (path, kept) in paths {
+        let key = format!("k{path}");
+        let first = client.post(&proxy.url(path), &key, "{}").await;
+        assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{path}: {}", first.text());
+        assert_eq!(first.problem(), "upstream-timeout", "{path}");
+        let retry = client.post(&proxy.url(path), &key, "{}").await;
+        if kept {
+            assert_eq!(retry.status, StatusCode::BAD_GATEWAY, "{path}: {}", retry.text());
+            assert_eq!(retry.problem(), "outcome-unknown", "{path}");
+        } else {
+            assert_eq!(retry.status, StatusCode::GATEWAY_TIMEOUT, "{path}: {}", retry.text());
+        }
+    }
+    // Each path's first POST, and the retry where released.
+    let released = paths.iter().filter(|(_, kept)| !kept).count();
+    assert_eq!(upstream.bodies.lock().unwrap().len(), paths.len() + released);
 }
 
 /// An upstream that answers before reading the body (here a 413) and

@@ -28,7 +28,7 @@ use tokio_util::task::TaskTracker;
 
 use super::body::{BodySender, ClientBody, ResponseBody};
 use super::problem::Problem;
-use super::upstream::{OnStale, UpstreamError};
+use super::upstream::{HeadBegun, OnStale, UpstreamError};
 use super::{Context, LiveRoute};
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
 use crate::store::{Fingerprint, Outcome, Owner, Record, RecordKey, StoreHandle, StoredResponse};
@@ -554,8 +554,12 @@ impl Exchange {
         let started = answered_at;
         let deadline = started + timeout;
         guard.sending(policy);
+        let begun = HeadBegun::default();
         let sent = guard
-            .renewing_until(deadline, std::pin::pin!(context.client.request(request, OnStale::Fail)))
+            .renewing_until(
+                deadline,
+                std::pin::pin!(context.client.request(request, OnStale::Fail, Some(&begun))),
+            )
             .await;
         context.metrics.upstream_latency.observe(started.elapsed());
         let response = match sent {
@@ -602,8 +606,12 @@ impl Exchange {
             }
             None => {
                 counters.count(TelemetryOutcome::UpstreamError);
-                tracing::warn!(route = %live.route.name, key = %key.tag(), "upstream timed out");
-                let problem = fail(guard, policy, Failure::Timeout, None).await;
+                // A head cut off by the deadline after its status line is
+                // settled by its status, as one cut off by a reset is.
+                let status = begun.status();
+                tracing::warn!(route = %live.route.name, key = %key.tag(), status = status.map(|s| s.as_u16()), "upstream timed out");
+                let head = status.map(|status| !released(status, policy));
+                let problem = fail(guard, policy, Failure::Timeout, head).await;
                 let _ = reply.send(problem.response());
                 return;
             }

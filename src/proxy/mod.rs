@@ -706,7 +706,8 @@ impl Gateway {
         // Boxed: inline, the upstream request (~2 KB) would size the future
         // of every request, including the idempotent ones that reach this
         // path only to refuse or bypass.
-        let sent = tokio::time::timeout_at(deadline, Box::pin(self.context.client.request(request, on_stale))).await;
+        let sent =
+            tokio::time::timeout_at(deadline, Box::pin(self.context.client.request(request, on_stale, None))).await;
         self.context.metrics.upstream_latency.observe(started.elapsed());
         match sent {
             Ok(Ok(response)) => {

@@ -21,7 +21,7 @@ use std::io;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -89,6 +89,19 @@ pub enum UpstreamError {
     Refused(StatusCode, &'static str),
     #[error("the request body could not be read")]
     RequestBody(#[source] BoxError),
+}
+
+/// The final status of an answer whose head began to arrive and did not
+/// end, for a caller whose own deadline may cut the head off: so begun,
+/// the head says the backend had the request. Set only when a head comes
+/// in pieces, so the usual answer costs nothing.
+#[derive(Debug, Default)]
+pub struct HeadBegun(AtomicU16);
+
+impl HeadBegun {
+    pub fn status(&self) -> Option<StatusCode> {
+        StatusCode::from_u16(self.0.load(Ordering::Relaxed)).ok()
+    }
 }
 
 impl UpstreamError {
@@ -339,10 +352,12 @@ pub enum OnStale {
 impl UpstreamClient {
     /// Sends `request` (its URI absolute) and returns the response head,
     /// without its hop-by-hop headers; the body is read as it is polled.
+    /// `begun` learns the status of a head that is still coming in.
     pub async fn request(
         &self,
         request: Request<ClientBody>,
         on_stale: OnStale,
+        begun: Option<&HeadBegun>,
     ) -> Result<Response<UpstreamResponseBody>, UpstreamError> {
         let (parts, body) = request.into_parts();
         let key = PoolKey {
@@ -377,7 +392,7 @@ impl UpstreamClient {
         let mut body = body;
         let (response, framing, keep_alive) = loop {
             let sent = match write_request(&mut conn, &parts, &key.authority, body).await {
-                Ok(()) => read_head(&mut conn, head_only).await,
+                Ok(()) => read_head(&mut conn, head_only, begun).await,
                 // Not a byte of the request left: a pooled connection the
                 // upstream reset or closed before the runtime noticed is
                 // safe to replace, whatever the method (as Go's transport
@@ -551,7 +566,7 @@ async fn early_answer(
     head_only: bool,
     error: io::Error,
 ) -> Result<(Response<()>, Framing, bool), UpstreamError> {
-    match tokio::time::timeout(EARLY_ANSWER_WAIT, read_head(conn, head_only)).await {
+    match tokio::time::timeout(EARLY_ANSWER_WAIT, read_head(conn, head_only, None)).await {
         Ok(Ok((response, framing, _))) => Ok((response, framing, false)),
         Ok(Err(_)) | Err(_) => Err(UpstreamError::Io(error)),
     }
@@ -691,7 +706,11 @@ fn status_line(buf: &[u8]) -> Option<StatusCode> {
 
 /// Reads the response head (skipping 1xx interim answers) and decides the
 /// body's framing and whether the connection can be reused.
-async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Framing, bool), UpstreamError> {
+async fn read_head(
+    conn: &mut Conn,
+    head_only: bool,
+    begun: Option<&HeadBegun>,
+) -> Result<(Response<()>, Framing, bool), UpstreamError> {
     let mut lines = LineWatch::default();
     loop {
         lines.skip_empty_lines(&mut conn.buf);
@@ -775,6 +794,11 @@ async fn read_head(conn: &mut Conn, head_only: bool) -> Result<(Response<()>, Fr
         // Not whole (it would have been parsed as its last line ended).
         if conn.buf.len() > MAX_HEAD {
             return Err(refused(status_line(&conn.buf), "the response head is too large"));
+        }
+        if let Some(begun) = begun
+            && let Some(status) = status_line(&conn.buf).filter(|s| !s.is_informational())
+        {
+            begun.0.store(status.as_u16(), Ordering::Relaxed);
         }
         if conn.fill().await.map_err(|error| broke_off(&conn.buf, error))? == 0 {
             return Err(broke_off(
@@ -1102,7 +1126,7 @@ mod tests {
                 idle_since: coarse_now(),
             },
         );
-        let answer = upstream.request(post(), OnStale::Fail).await.unwrap();
+        let answer = upstream.request(post(), OnStale::Fail, None).await.unwrap();
         assert_eq!(answer.status(), StatusCode::CREATED);
         let (seen, listener) = served.join().unwrap();
         assert!(seen.starts_with("POST /orders HTTP/1.1\r\n"), "{seen}");
