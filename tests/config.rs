@@ -527,6 +527,40 @@ fn settings_that_could_never_work_are_refused_by_field() {
         assert_eq!(config.routes[0].host.as_deref(), Some(kept));
     }
 
+    // The key read from, or forwarded under, a header of the connection
+    // or the framing, or forwarded in place of one idemgate sets: the
+    // client would set the upstream's X-Forwarded-For, say.
+    for (field, name) in [
+        ("forward_key_header", "X-Forwarded-For"),
+        ("forward_key_header", "x_forwarded_host"),
+        ("forward_key_header", "Connection"),
+        ("forward_key_header", "content-length"),
+        ("forward_key_header", "host"),
+        ("forward_key_header", "transfer-encoding"),
+        ("key.header", "Content-Length"),
+        ("key.header", "connection"),
+        ("key.header", "upgrade"),
+        ("key.header", "Host"),
+    ] {
+        let line = match field.strip_prefix("key.") {
+            Some(inner) => format!("key = {{ {inner} = \"{name}\" }}"),
+            None => format!("{field} = \"{name}\""),
+        };
+        let error = route(&line).unwrap_err();
+        assert!(error.contains(&format!("route[0].{field}")), "{name}: {error}");
+    }
+    for ok in [
+        "forward_key_header = \"X-Request-Key\"",
+        "forward_key_header = \"\"",
+        "key = { header = \"X-Forwarded-For\" }",
+    ] {
+        route(ok).unwrap();
+    }
+    // An empty derive list would be no derive: the route would need the
+    // header it meant to do without.
+    let error = route("key = { derive = [] }").unwrap_err();
+    assert!(error.contains("route[0].key.derive"), "{error}");
+
     let error = route("fingerprint = { ignore = [\"/ts\"] }").unwrap_err();
     assert!(
         error.contains("route[0].fingerprint.ignore") && error.contains("\"json\""),

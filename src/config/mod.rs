@@ -481,7 +481,8 @@ pub fn warnings(config: &Config) -> Vec<String> {
             later.name, earlier.name,
         ))
     });
-    // Legal (requests for its path pass through to its upstream), but
+    // Legal (requests for its path pass through to its upstream, unless a
+    // later route takes them), but
     // more likely a slip than a pass-through route.
     let no_methods = config
         .routes
@@ -490,8 +491,8 @@ pub fn warnings(config: &Config) -> Vec<String> {
         .filter(|(_, route)| route.policy.methods.is_empty());
     let no_methods = no_methods.map(|(i, route)| {
         format!(
-            "route[{i}] {}: methods is empty: no request is claimed; requests for its path pass \
-             through to its upstream",
+            "route[{i}] {}: methods is empty: it claims no request; requests for its path pass \
+             through to its upstream, unless a later route claims them",
             route.name
         )
     });

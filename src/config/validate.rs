@@ -146,6 +146,29 @@ fn header_name(s: &str) -> Result<HeaderName, String> {
     HeaderName::from_bytes(s.trim().as_bytes()).map_err(|_| format!("`{s}` is not a valid header name"))
 }
 
+/// A header the key is read from (`key.header`) or forwarded under
+/// (`forward_key_header`, `forwarded`): not one of the connection or of
+/// the body's framing (hop-by-hop, `Content-Length`, `Host`), which would
+/// read the key from them or put it in their place; nor, to forward
+/// under, one of the `X-Forwarded-*` that idemgate sets, which the
+/// client's key would then set instead (its address, say).
+fn key_header_name(s: &str, forwarded: bool) -> Result<HeaderName, String> {
+    let name = header_name(s)?;
+    if crate::wire::is_hop_by_hop(&name) || name == http::header::CONTENT_LENGTH || name == http::header::HOST {
+        return Err(format!(
+            "`{s}` is a header of the connection or of the body's framing: the key needs a header of its own"
+        ));
+    }
+    // `X_Forwarded_For` too: a backend that reads `_` as `-` (as CGI
+    // does) takes it for the other, which is why idemgate drops those.
+    if forwarded && name.as_str().replace('_', "-").starts_with("x-forwarded-") {
+        return Err(format!(
+            "`{s}` is a header idemgate sets for the upstream: the client's key would set it instead"
+        ));
+    }
+    Ok(name)
+}
+
 fn upstream_url(s: &str) -> Result<Uri, String> {
     // Checked first, and the URL not repeated: it would carry the password
     // into the message (and, were it accepted, into the Host header).
@@ -266,7 +289,7 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
             if s.is_empty() {
                 Ok(None)
             } else {
-                header_name(s).map(Some)
+                key_header_name(s, true).map(Some)
             }
         },
     );
@@ -274,7 +297,7 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
     let kf = |name: &str| format!("{key_at}.{name}");
     let key = KeyPolicy {
         header: c.field(&kf("header"), raw.key.header.as_ref(), base.key.header.clone(), |s| {
-            header_name(s)
+            key_header_name(s, false)
         }),
         required: raw.key.required.unwrap_or(base.key.required),
         max_length: c.field(
@@ -294,6 +317,11 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
             raw.key.derive.as_ref(),
             base.key.derive.clone(),
             |list| {
+                // An empty list would be no list: a route that means to
+                // derive its keys would need the header instead.
+                if list.is_empty() {
+                    return Err("is empty: list the fields the key is made of, or leave derive out".into());
+                }
                 let mut fields = list.iter().map(|s| derive_field(s)).collect::<Result<Vec<_>, _>>()?;
                 fields.sort_by_key(|f| f.to_string());
                 fields.dedup();
