@@ -689,6 +689,35 @@ fn the_one_warning_of_check(path: &std::path::Path) -> String {
     warnings[0].to_owned()
 }
 
+/// On Redis, a replay reads the whole record back within store.timeout:
+/// an answer larger than that time moves could never be replayed, and
+/// `check` says so of the route that may record one (not of the other,
+/// nor on the memory store).
+#[test]
+fn check_warns_of_answers_too_large_to_read_back_from_redis_in_time() {
+    let routes = "[[route]]\nname = \"big\"\npath = \"/big\"\nmax_response_body = \"64MiB\"\n\
+                  [[route]]\nname = \"small\"\npath = \"/small\"\nmax_response_body = \"8MiB\"\n";
+    let on_redis = temp_file(
+        "large.toml",
+        &format!(
+            "[upstream]\nurl = \"http://127.0.0.1:1\"\n[store]\nbackend = \"redis\"\n\
+             url = \"redis://127.0.0.1:1\"\n{routes}"
+        ),
+    );
+    let warning = the_one_warning_of_check(&on_redis);
+    assert!(
+        warning.contains("route[0] big: max_response_body") && warning.contains("store.timeout (1s"),
+        "{warning}"
+    );
+    let in_memory = temp_file(
+        "large-memory.toml",
+        &format!("[upstream]\nurl = \"http://127.0.0.1:1\"\n{routes}"),
+    );
+    let output = idemgate(&["check", "--config", in_memory.to_str().unwrap()]);
+    assert!(output.status.success());
+    assert!(!String::from_utf8_lossy(&output.stdout).contains("warning: "));
+}
+
 /// A route whose path holds `;` or `//` could never be reached: a request
 /// for it reads elsewhere as some backends read it, and is refused. `check`
 /// says so.

@@ -611,6 +611,37 @@ async fn a_completion_the_store_did_not_take_is_retried_until_it_lands() {
     }
 }
 
+/// A completion that writes a large record is given its bytes' time on
+/// top of the store timeout: bounded by the timeout alone, a record of
+/// many megabytes would time out on every try, each retry sending it
+/// whole again, until its `ttl`. Here Redis's writes stall 0.6 s, past
+/// the 100 ms timeout: a small record's completion times out, and a 16
+/// MiB record's (given about a second more) lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_record_is_given_time_to_be_written() {
+    use bytes::Bytes;
+    use idemgate::store::{Claim, Fingerprint, Outcome, Owner, RecordKey, StoreError, StoredResponse};
+    let redis = RedisServer::start();
+    let store = redis_store_within(&redis.url(), Duration::from_millis(100));
+    let (small, large, owner) = (RecordKey([1; 32]), RecordKey([2; 32]), Owner::new());
+    let fingerprint = Fingerprint([7; 32]);
+    let lease = Duration::from_secs(30);
+    for key in [&small, &large] {
+        let claim = store.claim(key, &fingerprint, owner, lease, None).await.unwrap();
+        assert_eq!(claim, Claim::Claimed);
+    }
+    let outcome = |body: Bytes| Outcome::Response(Arc::new(StoredResponse::new(StatusCode::CREATED, &[], &[body])));
+    let ttl = Duration::from_secs(60);
+    assert!(redis.cli(&["client", "pause", "600", "write"]).is_some());
+    let timed_out = store
+        .complete(&small, &fingerprint, owner, outcome(Bytes::from_static(b"{}")), ttl)
+        .await;
+    assert!(matches!(timed_out, Err(StoreError::Timeout(_))), "{timed_out:?}");
+    let body = Bytes::from(vec![b'x'; 16 << 20]);
+    let landed = store.complete(&large, &fingerprint, owner, outcome(body), ttl).await;
+    assert!(matches!(landed, Ok(true)), "{landed:?}");
+}
+
 /// A Redis that cannot be reached (each connection taken, its greeting read,
 /// and hung up unanswered) meets a connect a few times a second, backing
 /// off, however many claims come; each claim fails at once as not sent,

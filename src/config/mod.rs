@@ -442,6 +442,27 @@ pub fn warnings(config: &Config) -> Vec<String> {
                 d(store_timeout),
             )
         });
+    // A replay from Redis reads the whole record back within the store
+    // timeout (its claim finds it), and nothing can tell its size before:
+    // a record larger than that time moves is refused (503) to every retry.
+    let shared = matches!(
+        config.store.backend,
+        StoreBackend::Redis { .. } | StoreBackend::RedisCluster { .. }
+    );
+    let readable = (crate::store::STORE_BYTES_PER_SECOND as f64 * store_timeout.as_secs_f64()) as u64;
+    let large = config
+        .routes
+        .iter()
+        .enumerate()
+        .filter(move |(_, route)| shared && route.policy.max_response_body > readable);
+    let large = large.map(|(i, route)| {
+        format!(
+            "route[{i}] {}: max_response_body ({} bytes) is more than Redis may be counted on to send              back within store.timeout ({}, about {readable} bytes): the replay of an answer that              large may time out (503) on every retry",
+            route.name,
+            route.policy.max_response_body,
+            d(store_timeout),
+        )
+    });
     // A request for such a path reads elsewhere with `;` dropped or `//`
     // merged, as some backends read it, and is refused (400).
     let unreachable = config
@@ -496,7 +517,12 @@ pub fn warnings(config: &Config) -> Vec<String> {
             route.name
         )
     });
-    leases.chain(unreachable).chain(shadowed).chain(no_methods).collect()
+    leases
+        .chain(large)
+        .chain(unreachable)
+        .chain(shadowed)
+        .chain(no_methods)
+        .collect()
 }
 
 /// The effective routes, one block each, as `idemgate check` prints them,

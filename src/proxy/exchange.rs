@@ -383,7 +383,7 @@ async fn retry_completion(
 /// the store holds.
 async fn lost(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, outcome: &Outcome) -> bool {
     let landed = matches!(
-        store.inspect(key).await,
+        store.inspect_sized(key, outcome.size()).await,
         Ok(Some((Record::Completed { fingerprint: found, outcome: kept }, _)))
             if found == *fingerprint && kept == *outcome
     );

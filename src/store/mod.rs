@@ -368,6 +368,14 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// About how many bytes the outcome takes in a record.
+    pub fn size(&self) -> usize {
+        match self {
+            Outcome::Response(response) => response.size(),
+            Outcome::NotReplayable | Outcome::Unknown => 0,
+        }
+    }
+
     /// Whether retries get the answer replayed (the only outcome
     /// `refresh_ttl_on_replay` refreshes).
     pub fn is_response(&self) -> bool {
@@ -393,6 +401,10 @@ pub enum Claim {
 pub enum StoreError {
     #[error("store did not answer within {0:?}")]
     Timeout(Duration),
+    /// A claim the store took, but answered only after half its lease
+    /// (see [`StoreHandle::claim`]).
+    #[error("store answered the claim only after {0:?}, past half its lease of {1:?}")]
+    LateClaim(Duration, Duration),
     #[error("store unavailable")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// Unavailable, and the call never reached the store (no connection,
@@ -469,6 +481,14 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
+/// How fast a store call is taken to move a record's bytes: a call that
+/// writes or reads a record is given its size at this rate on top of the
+/// store timeout. A record of many megabytes takes longer than a claim
+/// (Redis runs a 60 MB completion's script for most of a second): bounded
+/// by the timeout alone, its completion would time out on every try, each
+/// sending the whole record again, until its `ttl`.
+pub const STORE_BYTES_PER_SECOND: u64 = 16 << 20;
+
 /// Claims given up on at their timeout and still seen through, at most
 /// (see [`StoreHandle::claim`]).
 const MAX_SEEN_THROUGH: usize = 4096;
@@ -539,6 +559,17 @@ impl StoreHandle {
     /// outside the task's cooperative budget: every store call waits on a
     /// channel or a socket rather than spending the budget on each poll.)
     async fn deadline<T>(&self, op: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        self.deadline_for(0, op).await
+    }
+
+    /// [`StoreHandle::deadline`] for a call that moves a record of `bytes`:
+    /// the timeout and their time at [`STORE_BYTES_PER_SECOND`].
+    async fn deadline_for<T>(
+        &self,
+        bytes: usize,
+        op: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let timeout = self.timeout + Duration::from_secs_f64(bytes as f64 / STORE_BYTES_PER_SECOND as f64);
         let mut op = std::pin::pin!(op);
         let mut timer = std::pin::pin!(None::<tokio::time::Sleep>);
         std::future::poll_fn(|cx| {
@@ -546,10 +577,10 @@ impl StoreHandle {
                 return std::task::Poll::Ready(result);
             }
             if timer.is_none() {
-                timer.set(Some(tokio::time::sleep(self.timeout)));
+                timer.set(Some(tokio::time::sleep(timeout)));
             }
             let timer = timer.as_mut().as_pin_mut().expect("set above");
-            timer.poll(cx).map(|()| Err(StoreError::Timeout(self.timeout)))
+            timer.poll(cx).map(|()| Err(StoreError::Timeout(timeout)))
         })
         .await
     }
@@ -585,7 +616,7 @@ impl StoreHandle {
             // failure, released.
             Ok(Claim::Claimed) if sent.elapsed() >= lease / 2 => {
                 self.release_in_background(key, owner);
-                return Err(StoreError::Timeout(lease));
+                return Err(StoreError::LateClaim(sent.elapsed(), lease));
             }
             Err(StoreError::Timeout(_)) => self.see_through(claim, key, owner, lease),
             // Never sent, it took nothing: a release would only be one more
@@ -651,7 +682,8 @@ impl StoreHandle {
         if let Some(memory) = &self.memory {
             return Ok(memory.complete_now(key, fingerprint, owner, outcome, ttl));
         }
-        self.deadline(self.store.complete(key, fingerprint, owner, outcome, ttl))
+        let bytes = outcome.size();
+        self.deadline_for(bytes, self.store.complete(key, fingerprint, owner, outcome, ttl))
             .await
     }
 
@@ -698,6 +730,12 @@ impl StoreHandle {
 
     pub async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
         self.deadline(self.store.inspect(key)).await
+    }
+
+    /// [`StoreHandle::inspect`] of a record thought to hold about `bytes`,
+    /// given their time to be read.
+    pub async fn inspect_sized(&self, key: &RecordKey, bytes: usize) -> Result<Option<(Record, Duration)>, StoreError> {
+        self.deadline_for(bytes, self.store.inspect(key)).await
     }
 
     pub async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
