@@ -540,8 +540,14 @@ async fn operators_look_up_and_purge_records_behind_a_token() {
     let quoted = admin.replace("key=k1", "key=%22k1%22");
     assert_eq!(client.send("GET", &quoted, &auth, "").await.status, StatusCode::OK);
     // A repeated or unknown parameter would name another record than
-    // meant: refused.
-    for query in ["key=k1&key=k2", "key=k1&sope=x", "route=orders&key=k1"] {
+    // meant: refused. So is an empty key, which no request has.
+    for query in [
+        "key=k1&key=k2",
+        "key=k1&sope=x",
+        "route=orders&key=k1",
+        "key=",
+        "key=%22%22",
+    ] {
         let odd = admin.replace("key=k1", query);
         let refused = client.send("DELETE", &odd, &auth, "").await;
         assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{query}: {}", refused.text());

@@ -444,6 +444,12 @@ on_upstream_failure = "release"
     for (path, _) in paths {
         let answer = client.send("GET", &proxy.url(path), &[], "").await;
         assert_eq!(answer.status, StatusCode::BAD_GATEWAY, "{path}: {}", answer.text());
+        // Passed through: the upstream was reached, and answered so.
+        assert!(
+            answer.text().contains("the upstream's answer cannot be passed on"),
+            "{path}: {}",
+            answer.text()
+        );
     }
     for (path, kept) in paths {
         let key = format!("k{path}");

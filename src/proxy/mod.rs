@@ -109,6 +109,8 @@ pub enum RecordKeyError {
     NoRoute,
     /// A named scope header the route's `scope` does not list.
     NotInScope(String),
+    /// `key=` (or `key=""`): no request's key is empty.
+    EmptyKey,
 }
 
 /// Where a request goes: through a route's idempotency, or straight on.
@@ -212,6 +214,9 @@ impl Gateway {
         let headers = &live.route.policy.scope;
         // Read as the key header is: `"k1"` is the key k1.
         let key = key::parse(key.as_bytes()).unwrap_or_else(|| key.to_owned());
+        if key.is_empty() {
+            return Err(RecordKeyError::EmptyKey);
+        }
         Ok(match scope {
             ScopeValues::Positional(values) => {
                 let values = headers.iter().enumerate().map(|(i, header)| {
@@ -729,10 +734,13 @@ impl Gateway {
             }
             Ok(Err(error)) => {
                 tracing::warn!(error = %crate::telemetry::error_chain(&error), "upstream request failed");
-                let detail = if error.is_connect() {
-                    "the upstream cannot be reached"
-                } else {
-                    "the upstream connection failed"
+                let detail = match error {
+                    _ if error.is_connect() => "the upstream cannot be reached",
+                    // It answered, but not so that the answer can be passed on.
+                    upstream::UpstreamError::Protocol(_) | upstream::UpstreamError::Refused(..) => {
+                        "the upstream's answer cannot be passed on"
+                    }
+                    _ => "the upstream connection failed",
                 };
                 Problem::UpstreamUnavailable(detail.into()).response()
             }

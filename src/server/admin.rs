@@ -276,6 +276,13 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
     let record_key = match gateway.record_key(&route, &scope, &key) {
         Ok(record_key) => record_key,
         Err(RecordKeyError::NoRoute) => return problem(StatusCode::NOT_FOUND, "not-found", "no route has this name"),
+        Err(RecordKeyError::EmptyKey) => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "bad-request",
+                "key= is empty, and no request's key is",
+            );
+        }
         Err(RecordKeyError::NotInScope(header)) => {
             return problem(
                 StatusCode::BAD_REQUEST,
