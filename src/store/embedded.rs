@@ -997,7 +997,9 @@ impl Wal {
     /// in its value or checksum), and the entries after it are not
     /// replayed. It may also be an append a power cut left half on disk
     /// (its pages written out of order), or a segment's earlier life
-    /// restored from a backup beneath this one. Damage to an entry's
+    /// restored from a backup beneath this one. So is an entry whose
+    /// length was damaged, found by the length its checksum passes at,
+    /// when the entry after it passes too. Damage to the last entry's
     /// length, or over more than one entry, looks like a torn end.
     fn damaged_at(bytes: &[u8], segment: u64, chained: bool) -> Option<usize> {
         let read = |at: usize| -> Option<(usize, u32, &[u8])> {
@@ -1006,19 +1008,60 @@ impl Wal {
             let body = bytes.get(at + 8..at + 8 + len).filter(|b| b.len() >= 33)?;
             Some((len, crc, body))
         };
+        // Whether the entry at `next` passes, chained from `link`.
+        let passes_after = |next: usize, link: u32| {
+            read(next).is_some_and(|(_, crc, body)| Wal::crc(segment, chained.then_some(link), body) == crc)
+        };
         let (mut at, mut link) = (0, chained.then_some(0));
-        while let Some((len, crc, body)) = read(at) {
+        loop {
+            let Some((len, crc, body)) = read(at) else {
+                return Wal::length_damaged(bytes, at, segment, link, passes_after).then_some(at);
+            };
             let next = at + 8 + len;
             let expected = Wal::crc(segment, link, body);
             if expected != crc {
-                let (_, after, next_body) = read(next)?;
-                let chained_from = |link: u32| Wal::crc(segment, chained.then_some(link), next_body) == after;
-                return (chained_from(crc) || chained_from(expected)).then_some(at);
+                let damaged = passes_after(next, crc)
+                    || passes_after(next, expected)
+                    || Wal::length_damaged(bytes, at, segment, link, passes_after);
+                return damaged.then_some(at);
             }
             link = link.map(|_| crc);
             at = next;
         }
-        None
+    }
+
+    /// Whether the entry at `at` (chained from `link`), unreadable by its
+    /// length, is whole at another: its checksum passes at a length after
+    /// which the next entry passes too (`passes_after`). The usual end,
+    /// zeros to the segment's end, is seen at once; an older life's bytes
+    /// are searched, a byte at a time (a segment is 16 MiB).
+    fn length_damaged(
+        bytes: &[u8],
+        at: usize,
+        segment: u64,
+        link: Option<u32>,
+        passes_after: impl Fn(usize, u32) -> bool,
+    ) -> bool {
+        let (Some(crc), Some(rest)) = (bytes.get(at + 4..at + 8), bytes.get(at + 8..)) else {
+            return false;
+        };
+        if rest.iter().all(|&b| b == 0) {
+            return false;
+        }
+        let crc = u32::from_le_bytes(crc.try_into().expect("four bytes"));
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&segment.to_le_bytes());
+        if let Some(link) = link {
+            hasher.update(&link.to_le_bytes());
+        }
+        for (i, byte) in rest.iter().enumerate() {
+            hasher.update(std::slice::from_ref(byte));
+            let len = i + 1;
+            if len >= 33 && hasher.clone().finalize() == crc && passes_after(at + 8 + len, crc) {
+                return true;
+            }
+        }
+        false
     }
 
     /// Writes `buf`, whose last entry's checksum is `link`, at the end of
@@ -1777,10 +1820,22 @@ mod tests {
             torn.extend_from_slice(&[0; 64]);
             assert_eq!(Wal::damaged_at(&torn, 5, chained), None, "a torn tail");
             assert_eq!(Wal::damaged_at(&whole, 6, chained), None, "another segment's entries");
-            // A bit of a value, or of a checksum.
-            for at in [starts[1] + 40, starts[1] + 5] {
+            // The last entry's length: as good as torn.
+            let mut last = whole.clone();
+            last[starts[2]] ^= 1;
+            assert_eq!(Wal::damaged_at(&last, 5, chained), None, "the last entry's length");
+            // A bit of a value, of a checksum, or of a length (made one
+            // more or less, or past the segment's end).
+            for (at, flip) in [
+                (starts[1] + 40, 1),
+                (starts[1] + 5, 1),
+                (starts[1], 1),
+                (starts[1], 2),
+                (starts[1] + 3, 0x80),
+            ] {
                 let mut flipped = whole.clone();
-                flipped[at] ^= 1;
+                flipped[at] ^= flip;
+                flipped.extend_from_slice(&[0; 64]);
                 assert_eq!(Wal::entries(&flipped, 5, chained).count(), 1);
                 assert_eq!(
                     Wal::damaged_at(&flipped, 5, chained),
