@@ -77,6 +77,13 @@ const APPLIED_BELOW: &str = "applied_below";
 /// entries were chained (see [`Wal::crc`]), then [`CHAINED`].
 const LOG_FORMAT: &str = "log_format";
 const CHAINED: u64 = 2;
+/// `made`: the number of a segment known to have been made, set when the
+/// store opens (once its new segment is made) and at each checkpoint
+/// (the segment its `applied_below` names, which the writer made). When it
+/// is `applied_below`, that segment must be there: one missing was lost
+/// (deleted, or a backup of the file restored without the log), and with
+/// it the records it held. Absent in files from before it was kept.
+const MADE: &str = "made";
 
 /// Most reads of the file running at once.
 const FILE_READS: usize = 64;
@@ -491,6 +498,7 @@ impl EmbeddedStore {
         // redb holds the file locked: no other process makes these now.
         Wal::remove_temporaries(path);
         let segments = Wal::segments(path).map_err(unavailable)?;
+        let mut damaged_segments = Vec::new();
         let next = {
             let txn = db.begin_write().map_err(unavailable)?;
             let next;
@@ -498,6 +506,9 @@ impl EmbeddedStore {
                 let mut meta = txn.open_table(META).map_err(unavailable)?;
                 let applied_below = meta.get(APPLIED_BELOW).map_err(unavailable)?.map_or(0, |v| v.value());
                 let chained = meta.get(LOG_FORMAT).map_err(unavailable)?.map(|v| v.value()) == Some(CHAINED);
+                let made = meta.get(MADE).map_err(unavailable)?.map(|v| v.value());
+                Wal::none_missing(path, &segments, applied_below, made)
+                    .map_err(|failure| StoreError::Unavailable(failure.into()))?;
                 next = segments.last().map_or(1, |(n, _)| n + 1).max(applied_below);
                 meta.insert(APPLIED_BELOW, next).map_err(unavailable)?;
                 // The segments written from here on; those replayed now are
@@ -508,19 +519,33 @@ impl EmbeddedStore {
                 // (a crash came between a checkpoint and their removal).
                 for (n, segment) in segments.iter().filter(|(n, _)| *n >= applied_below) {
                     let bytes = fs::read(segment).map_err(unavailable)?;
-                    for (key, change) in Wal::entries(&bytes, *n, chained) {
+                    // Made whole, zero-filled (when written chained): a
+                    // shorter one was cut from outside, and what it held
+                    // past its end is lost.
+                    if chained && (bytes.len() as u64) < SEGMENT_BYTES {
+                        tracing::error!(
+                            segment = %segment.display(),
+                            bytes = bytes.len(),
+                            "the embedded store's log segment is shorter than it was made (truncated): entries past its end are lost"
+                        );
+                    }
+                    let (entries, damaged) = Wal::replayable(&bytes, *n, chained);
+                    for (key, change) in entries {
                         match change {
                             Some(value) => table.insert(key, value),
                             None => table.remove(key),
                         }
                         .map_err(unavailable)?;
                     }
-                    if let Some(offset) = Wal::damaged_at(&bytes, *n, chained) {
+                    for offset in &damaged {
                         tracing::error!(
                             segment = %segment.display(),
                             offset,
-                            "the embedded store's log is damaged (or an append was cut short by a power loss): the entries after this offset in this segment are not replayed"
+                            "the embedded store's log is damaged (or an append was cut short by a power loss): the entry at this offset is lost, those after it are replayed"
                         );
+                    }
+                    if !damaged.is_empty() {
+                        damaged_segments.push(*n);
                     }
                 }
             }
@@ -530,8 +555,29 @@ impl EmbeddedStore {
         // The old segments are in the file (below `applied_below`): they
         // become spares first, so the new segment is one of them, and a
         // full disk needs no room for it.
-        Wal::retire(path, segments.iter().map(|(n, _)| *n)).map_err(unavailable)?;
+        // A damaged segment is kept aside, as it is, to be looked into (it
+        // would be a spare, overwritten, and its entries past the damage
+        // may be read by hand).
+        for n in &damaged_segments {
+            let segment = Wal::segment_path(path, *n);
+            let aside = Wal::named(&segment, ".damaged");
+            fs::rename(&segment, &aside).map_err(unavailable)?;
+            tracing::error!(segment = %aside.display(), "the damaged log segment is kept aside");
+        }
+        let retired = segments
+            .iter()
+            .map(|(n, _)| *n)
+            .filter(|n| !damaged_segments.contains(n));
+        Wal::retire(path, retired).map_err(unavailable)?;
         let wal = Wal::create(path, next).map_err(unavailable)?;
+        {
+            let txn = db.begin_write().map_err(unavailable)?;
+            txn.open_table(META)
+                .map_err(unavailable)?
+                .insert(MADE, next)
+                .map_err(unavailable)?;
+            txn.commit().map_err(unavailable)?;
+        }
         Wal::top_up(path);
 
         let shared = Arc::new(Shared {
@@ -763,6 +809,31 @@ const SPARES: usize = 3;
 /// need meanwhile.
 const SPARE_ROOM: u64 = 256 << 20;
 
+/// A log entry: its key, and the value put, or `None` for a removal.
+type Entry<'a> = (&'a [u8; 32], Option<&'a [u8]>);
+
+/// A damaged log entry (see [`Wal::damage`]): where it is, and where
+/// the entries after it resume, chained from `link`.
+#[derive(Debug, PartialEq, Eq)]
+struct Damage {
+    at: usize,
+    resume: usize,
+    link: u32,
+}
+
+impl Damage {
+    /// The entry at `at`, whole at `len` bytes of body in `bytes`: the
+    /// next chains from the checksum it holds.
+    fn whole_at(at: usize, len: usize, bytes: &[u8]) -> Damage {
+        let link = u32::from_le_bytes(bytes[at + 4..at + 8].try_into().expect("four bytes"));
+        Damage {
+            at,
+            resume: at + 8 + len,
+            link,
+        }
+    }
+}
+
 impl Wal {
     fn named(path: &Path, suffix: &str) -> PathBuf {
         let mut name = path.as_os_str().to_owned();
@@ -825,6 +896,40 @@ impl Wal {
         Wal::numbered(path, "-wal.")
     }
 
+    /// Refuses a log with a segment missing that records may be in: one
+    /// between two that are there (each is made before the one after it,
+    /// and only those below `applied_below` are retired), or the first to
+    /// replay, `applied_below`, when the file says it was made (`made`).
+    fn none_missing(
+        path: &Path,
+        segments: &[(u64, PathBuf)],
+        applied_below: u64,
+        made: Option<u64>,
+    ) -> Result<(), String> {
+        let present: Vec<u64> = segments
+            .iter()
+            .map(|(n, _)| *n)
+            .filter(|n| *n >= applied_below)
+            .collect();
+        let first = match made {
+            Some(made) if made == applied_below && applied_below > 0 => applied_below,
+            _ => match present.first() {
+                Some(first) => *first,
+                None => return Ok(()),
+            },
+        };
+        let last = present.last().copied().unwrap_or(first).max(first);
+        match (first..=last).find(|n| present.binary_search(n).is_err()) {
+            Some(missing) => Err(format!(
+                "the log segment {} is missing, and with it the records it held (retries of their \
+                 requests would run again): restore it, or create it empty (touch it) to go on \
+                 without them",
+                Wal::segment_path(path, missing).display()
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Makes segment `n` from a spare, or from a new zero-filled file, and
     /// opens it; its directory entry is synced before it is used. A
     /// spare's first entry is zeroed (and synced) first: one written in an
@@ -884,7 +989,10 @@ impl Wal {
         let mut count = spares.len();
         for n in ns {
             let segment = Wal::segment_path(path, n);
-            if count < SPARES {
+            // One shorter than it is made (cut, or made empty by hand to go
+            // on without a lost one) would be a spare that is not zero-filled.
+            let whole = fs::metadata(&segment)?.len() >= SEGMENT_BYTES;
+            if count < SPARES && whole {
                 fs::rename(segment, Wal::named(path, &format!("-wal-spare.{next}")))?;
                 next += 1;
                 count += 1;
@@ -970,8 +1078,14 @@ impl Wal {
 
     /// The entries of segment `segment`, up to the first torn, damaged or
     /// stale one; `chained` unless written before entries were.
-    fn entries(mut bytes: &[u8], segment: u64, chained: bool) -> impl Iterator<Item = (&[u8; 32], Option<&[u8]>)> {
-        let mut link = chained.then_some(0);
+    #[cfg(test)]
+    fn entries(bytes: &[u8], segment: u64, chained: bool) -> impl Iterator<Item = Entry<'_>> {
+        Wal::entries_after(bytes, segment, chained.then_some(0))
+    }
+
+    /// [`Wal::entries`] of `bytes` that begin after the entry whose
+    /// checksum is `link` (`None`: not chained).
+    fn entries_after(mut bytes: &[u8], segment: u64, mut link: Option<u32>) -> impl Iterator<Item = Entry<'_>> {
         std::iter::from_fn(move || {
             let len = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
             let crc = u32::from_le_bytes(bytes.get(4..8)?.try_into().ok()?);
@@ -990,65 +1104,90 @@ impl Wal {
         })
     }
 
-    /// Where the entries of segment `segment` end early, if they can be
-    /// seen to: an entry whose checksum fails followed by one whose
-    /// checksum, chained from it (from the checksum it holds, or the one
-    /// its value should have had), passes is likely damage (a flipped bit
-    /// in its value or checksum), and the entries after it are not
-    /// replayed. It may also be an append a power cut left half on disk
-    /// (its pages written out of order), or a segment's earlier life
-    /// restored from a backup beneath this one. So is an entry whose
-    /// length was damaged, found by the length its checksum passes at,
-    /// when the entry after it passes too. Damage to the last entry's
-    /// length, or over more than one entry, looks like a torn end.
-    fn damaged_at(bytes: &[u8], segment: u64, chained: bool) -> Option<usize> {
+    /// The entries of segment `segment` to replay, in order, and the
+    /// offsets of damaged entries left out: [`Wal::entries`], then past
+    /// each damaged entry (see [`Wal::damage`]) those after it. Left out,
+    /// one entry's change is lost (a claim, a completion or a release of
+    /// one key); stopping there would lose every later one too.
+    fn replayable(bytes: &[u8], segment: u64, chained: bool) -> (Vec<Entry<'_>>, Vec<usize>) {
+        let (mut entries, mut damaged) = (Vec::new(), Vec::new());
+        let (mut from, mut link) = (0, chained.then_some(0));
+        loop {
+            let rest = &bytes[from..];
+            entries.extend(Wal::entries_after(rest, segment, link));
+            let Some(damage) = Wal::damage(rest, segment, link) else {
+                return (entries, damaged);
+            };
+            damaged.push(from + damage.at);
+            from += damage.resume;
+            link = link.map(|_| damage.link);
+        }
+    }
+
+    /// Where the entries of `bytes` (the first chained from `link`) end
+    /// early, if they can be seen to: an entry whose checksum fails
+    /// followed by one whose checksum, chained from it (from the checksum
+    /// it holds, or the one its value should have had), passes is likely
+    /// damage (a flipped bit in its value or checksum). It may also be an
+    /// append a power cut left half on disk (its pages written out of
+    /// order), or a segment's earlier life restored from a backup beneath
+    /// this one. So is an entry whose length was damaged, found by the
+    /// length its checksum passes at, when the entry after it passes too.
+    /// Damage to the last entry's length, or over more than one entry,
+    /// looks like a torn end.
+    fn damage(bytes: &[u8], segment: u64, link: Option<u32>) -> Option<Damage> {
         let read = |at: usize| -> Option<(usize, u32, &[u8])> {
             let len = u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize;
             let crc = u32::from_le_bytes(bytes.get(at + 4..at + 8)?.try_into().ok()?);
             let body = bytes.get(at + 8..at + 8 + len).filter(|b| b.len() >= 33)?;
             Some((len, crc, body))
         };
-        // Whether the entry at `next` passes, chained from `link`.
-        let passes_after = |next: usize, link: u32| {
-            read(next).is_some_and(|(_, crc, body)| Wal::crc(segment, chained.then_some(link), body) == crc)
+        // Whether the entry at `next` passes, chained from `from`.
+        let chained = link.is_some();
+        let passes_after = |next: usize, from: u32| {
+            read(next).is_some_and(|(_, crc, body)| Wal::crc(segment, chained.then_some(from), body) == crc)
         };
-        let (mut at, mut link) = (0, chained.then_some(0));
+        let (mut at, mut link) = (0, link);
         loop {
             let Some((len, crc, body)) = read(at) else {
-                return Wal::length_damaged(bytes, at, segment, link, passes_after).then_some(at);
+                let len = Wal::damaged_length(bytes, at, segment, link, passes_after)?;
+                return Some(Damage::whole_at(at, len, bytes));
             };
             let next = at + 8 + len;
             let expected = Wal::crc(segment, link, body);
             if expected != crc {
-                let damaged = passes_after(next, crc)
-                    || passes_after(next, expected)
-                    || Wal::length_damaged(bytes, at, segment, link, passes_after);
-                return damaged.then_some(at);
+                let resume = |link| Damage { at, resume: next, link };
+                if passes_after(next, crc) {
+                    return Some(resume(crc));
+                }
+                if passes_after(next, expected) {
+                    return Some(resume(expected));
+                }
+                let len = Wal::damaged_length(bytes, at, segment, link, passes_after)?;
+                return Some(Damage::whole_at(at, len, bytes));
             }
             link = link.map(|_| crc);
             at = next;
         }
     }
 
-    /// Whether the entry at `at` (chained from `link`), unreadable by its
-    /// length, is whole at another: its checksum passes at a length after
-    /// which the next entry passes too (`passes_after`). The usual end,
-    /// zeros to the segment's end, is seen at once; an older life's bytes
-    /// are searched, a byte at a time (a segment is 16 MiB).
-    fn length_damaged(
+    /// The length at which the entry at `at` (chained from `link`),
+    /// unreadable by its own, is whole: its checksum passes there, and the
+    /// next entry after it too (`passes_after`). The usual end, zeros to
+    /// the segment's end, is seen at once; an older life's bytes are
+    /// searched, a byte at a time (a segment is 16 MiB).
+    fn damaged_length(
         bytes: &[u8],
         at: usize,
         segment: u64,
         link: Option<u32>,
         passes_after: impl Fn(usize, u32) -> bool,
-    ) -> bool {
-        let (Some(crc), Some(rest)) = (bytes.get(at + 4..at + 8), bytes.get(at + 8..)) else {
-            return false;
-        };
+    ) -> Option<usize> {
+        let crc = u32::from_le_bytes(bytes.get(at + 4..at + 8)?.try_into().ok()?);
+        let rest = bytes.get(at + 8..)?;
         if rest.iter().all(|&b| b == 0) {
-            return false;
+            return None;
         }
-        let crc = u32::from_le_bytes(crc.try_into().expect("four bytes"));
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(&segment.to_le_bytes());
         if let Some(link) = link {
@@ -1058,10 +1197,10 @@ impl Wal {
             hasher.update(std::slice::from_ref(byte));
             let len = i + 1;
             if len >= 33 && hasher.clone().finalize() == crc && passes_after(at + 8 + len, crc) {
-                return true;
+                return Some(len);
             }
         }
-        false
+        None
     }
 
     /// Writes `buf`, whose last entry's checksum is `link`, at the end of
@@ -1232,7 +1371,8 @@ impl Writer {
                 Some(wal)
             }
             Err(error) => {
-                tracing::error!(%error, "starting a new log segment failed; the current one grows meanwhile");
+                let segment = Wal::segment_path(&self.wal.path, self.wal.segment + 1);
+                tracing::error!(%error, segment = %segment.display(), "starting a new log segment failed; the current one grows meanwhile");
                 self.segment_backoff = Some(Instant::now() + Duration::from_secs(1));
                 None
             }
@@ -1582,6 +1722,8 @@ impl Checkpointer {
             if let Some((_, covered_below)) = changes {
                 let mut meta = txn.open_table(META).map_err(unavailable)?;
                 meta.insert(APPLIED_BELOW, covered_below).map_err(unavailable)?;
+                // The writer's segment when the overlay was swapped: made.
+                meta.insert(MADE, covered_below).map_err(unavailable)?;
             }
             // In key order: consecutive changes land in the same leaf pages,
             // which are read (and copied on write) once per checkpoint
@@ -1794,13 +1936,15 @@ mod tests {
     }
 
     /// Damage inside a segment (a flipped bit) is told apart from a torn
-    /// or stale tail, which ends every segment but the newest.
+    /// or stale tail, which ends every segment but the newest, and the
+    /// entries after a damaged one are replayed all the same.
     #[test]
-    fn damage_inside_a_segment_is_found() {
+    fn damage_inside_a_segment_is_found_and_passed() {
+        let keys = |replayed: Vec<Entry<'_>>| replayed.iter().map(|(k, _)| k[0]).collect::<Vec<_>>();
         for chained in [true, false] {
             let (mut log, mut link) = (Vec::new(), 0);
             let mut starts = Vec::new();
-            for i in 0..3u8 {
+            for i in 0..4u8 {
                 starts.push(log.len());
                 if chained {
                     Wal::encode(&mut log, (5, &mut link), &[i; 32], Some(b"value"));
@@ -1813,35 +1957,46 @@ mod tests {
             }
             let whole = log.clone();
             log.extend_from_slice(&[0; 64]);
-            assert_eq!(Wal::damaged_at(&log, 5, chained), None, "a zeroed tail");
-            assert_eq!(Wal::entries(&log, 5, chained).count(), 3);
+            let (replayed, damaged) = Wal::replayable(&log, 5, chained);
+            assert_eq!((keys(replayed), damaged), (vec![0, 1, 2, 3], vec![]), "a zeroed tail");
             // A torn last entry, then zeros or an older life's bytes.
-            let mut torn = whole[..starts[2] + 20].to_vec();
+            let mut torn = whole[..starts[3] + 20].to_vec();
             torn.extend_from_slice(&[0; 64]);
-            assert_eq!(Wal::damaged_at(&torn, 5, chained), None, "a torn tail");
-            assert_eq!(Wal::damaged_at(&whole, 6, chained), None, "another segment's entries");
+            let (replayed, damaged) = Wal::replayable(&torn, 5, chained);
+            assert_eq!((keys(replayed), damaged), (vec![0, 1, 2], vec![]), "a torn tail");
+            let (replayed, damaged) = Wal::replayable(&whole, 6, chained);
+            assert_eq!((replayed.len(), damaged), (0, vec![]), "another segment's entries");
             // The last entry's length: as good as torn.
             let mut last = whole.clone();
-            last[starts[2]] ^= 1;
-            assert_eq!(Wal::damaged_at(&last, 5, chained), None, "the last entry's length");
+            last[starts[3]] ^= 1;
+            let (replayed, damaged) = Wal::replayable(&last, 5, chained);
+            assert_eq!(
+                (keys(replayed), damaged),
+                (vec![0, 1, 2], vec![]),
+                "the last entry's length"
+            );
             // A bit of a value, of a checksum, or of a length (made one
-            // more or less, or past the segment's end).
-            for (at, flip) in [
-                (starts[1] + 40, 1),
-                (starts[1] + 5, 1),
-                (starts[1], 1),
-                (starts[1], 2),
-                (starts[1] + 3, 0x80),
+            // more or less, or past the segment's end); and two entries.
+            for flips in [
+                vec![(starts[1] + 40, 1)],
+                vec![(starts[1] + 5, 1)],
+                vec![(starts[1], 1)],
+                vec![(starts[1], 2)],
+                vec![(starts[1] + 3, 0x80)],
+                vec![(starts[0] + 40, 1), (starts[2] + 3, 0x80)],
             ] {
                 let mut flipped = whole.clone();
-                flipped[at] ^= flip;
+                for &(at, flip) in &flips {
+                    flipped[at] ^= flip;
+                }
                 flipped.extend_from_slice(&[0; 64]);
-                assert_eq!(Wal::entries(&flipped, 5, chained).count(), 1);
-                assert_eq!(
-                    Wal::damaged_at(&flipped, 5, chained),
-                    Some(starts[1]),
-                    "chained {chained}, at {at}"
-                );
+                let lost: Vec<usize> = flips
+                    .iter()
+                    .map(|&(at, _)| starts.iter().rev().find(|&&s| s <= at).copied().unwrap())
+                    .collect();
+                let kept: Vec<u8> = (0..4u8).filter(|&i| !lost.contains(&starts[i as usize])).collect();
+                let (replayed, damaged) = Wal::replayable(&flipped, 5, chained);
+                assert_eq!((keys(replayed), damaged), (kept, lost), "chained {chained}, {flips:?}");
             }
         }
     }
@@ -2021,6 +2176,120 @@ mod tests {
             fs::remove_file(segment).unwrap();
         }
         assert!(EmbeddedStore::open(&path).is_ok());
+    }
+
+    /// A log segment that records may be in, missing (deleted, or a
+    /// backup of the file restored without its log), is refused by name
+    /// rather than opened over, which would forget what it held; made
+    /// empty by hand, the store opens without it (and does not keep it as
+    /// a spare, which must be zero-filled).
+    #[tokio::test]
+    async fn a_missing_log_segment_is_refused_until_restored_or_made_empty() {
+        let dir = scratch();
+        let path = dir.path().join("m.redb");
+        let (fingerprint, lease) = (Fingerprint([1; 32]), Duration::from_secs(30));
+        let (first, second) = (RecordKey([40; 32]), RecordKey([41; 32]));
+        let store = EmbeddedStore::open(&path).unwrap();
+        let claim = store.claim(&first, &fingerprint, Owner::new(), lease, None);
+        assert_eq!(claim.await.unwrap(), Claim::Claimed);
+        drop(store);
+        // Reopened, the first claim is replayed into the file.
+        let store = reopen(&path);
+        let claim = store.claim(&second, &fingerprint, Owner::new(), lease, None);
+        assert_eq!(claim.await.unwrap(), Claim::Claimed);
+        drop(store);
+        let (_, last) = Wal::segments(&path).unwrap().pop().unwrap();
+        fs::remove_file(&last).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let refused = loop {
+            match EmbeddedStore::open(&path) {
+                Ok(_) => panic!("opened without {}", last.display()),
+                Err(error) if crate::telemetry::error_chain(&error).contains("is missing") => {
+                    break crate::telemetry::error_chain(&error);
+                }
+                Err(error) => assert!(Instant::now() < deadline, "{error}"),
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let name = last.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(refused.contains(&name) && refused.contains("touch"), "{refused}");
+        File::create(&last).unwrap();
+        let store = reopen(&path);
+        let claim = store.claim(&first, &fingerprint, Owner::new(), lease, None);
+        assert!(matches!(claim.await.unwrap(), Claim::InFlight { .. }));
+        drop(store);
+        for (_, spare) in Wal::numbered(&path, "-wal-spare.").unwrap() {
+            assert!(
+                fs::metadata(&spare).unwrap().len() >= SEGMENT_BYTES,
+                "{}",
+                spare.display()
+            );
+        }
+    }
+
+    /// Which segments must be there: every one between two that are, and
+    /// the first to replay when the file says it was made (a store that
+    /// stopped before it made it, after it committed its number, is not
+    /// refused).
+    #[test]
+    fn a_segment_is_missing_between_two_or_where_the_file_says_it_was_made() {
+        let path = Path::new("/nowhere/s.redb");
+        let at = |ns: &[u64]| ns.iter().map(|&n| (n, Wal::segment_path(path, n))).collect::<Vec<_>>();
+        let missing = |ns: &[u64], applied_below, made| Wal::none_missing(path, &at(ns), applied_below, made);
+        assert!(missing(&[], 0, None).is_ok(), "a new store");
+        assert!(missing(&[3, 4], 3, Some(3)).is_ok());
+        assert!(missing(&[1, 3, 4], 3, Some(3)).is_ok(), "retired, not yet removed");
+        assert!(missing(&[], 3, Some(2)).is_ok(), "stopped before it was made");
+        assert!(missing(&[4, 5], 3, None).is_ok(), "a file from before `made`");
+        for (ns, applied_below, made, name) in [
+            (&[][..], 3, Some(3), "s.redb-wal.000003"),
+            (&[4, 5][..], 3, Some(3), "s.redb-wal.000003"),
+            (&[3, 5][..], 3, Some(3), "s.redb-wal.000004"),
+            (&[3, 5][..], 3, None, "s.redb-wal.000004"),
+        ] {
+            let refused = missing(ns, applied_below, made).unwrap_err();
+            assert!(refused.contains(name), "{ns:?}: {refused}");
+        }
+    }
+
+    /// A segment damaged inside (a flipped bit) loses the one entry: those
+    /// after it are replayed, and the segment is kept aside as it is.
+    #[tokio::test]
+    async fn a_damaged_log_segment_loses_one_entry_and_is_kept_aside() {
+        let dir = scratch();
+        let path = dir.path().join("d.redb");
+        let (fingerprint, lease) = (Fingerprint([1; 32]), Duration::from_secs(30));
+        let keys: Vec<RecordKey> = (50..54).map(|i| RecordKey([i; 32])).collect();
+        let store = EmbeddedStore::open(&path).unwrap();
+        // Together, so one sync: a checkpoint due meanwhile (every 200 ms
+        // here) would take them into the file.
+        let claims = keys
+            .iter()
+            .map(|key| store.claim(key, &fingerprint, Owner::new(), lease, None));
+        for claim in futures_util::future::join_all(claims).await {
+            assert_eq!(claim.unwrap(), Claim::Claimed);
+        }
+        drop(store);
+        // The first entry (the claims were batched in any order), found by
+        // its key, a bit of its value flipped.
+        let (_, segment) = Wal::segments(&path).unwrap().pop().unwrap();
+        let mut bytes = fs::read(&segment).unwrap();
+        let position = |key: &RecordKey| bytes.windows(32).position(|w| w == key.0).expect("in the last segment");
+        let (at, damaged) = keys
+            .iter()
+            .enumerate()
+            .map(|(i, key)| (position(key), i))
+            .min()
+            .unwrap();
+        bytes[at + 40] ^= 1;
+        fs::write(&segment, &bytes).unwrap();
+        let store = reopen(&path);
+        for (i, key) in keys.iter().enumerate() {
+            let claim = store.claim(key, &fingerprint, Owner::new(), lease, None).await.unwrap();
+            assert_eq!(claim == Claim::Claimed, i == damaged, "key {i}: {claim:?}");
+        }
+        let aside = Wal::named(&segment, ".damaged");
+        assert_eq!(fs::read(&aside).unwrap(), bytes, "kept aside as it was");
     }
 
     /// A store whose file cannot be written takes no new claims, but the
