@@ -347,25 +347,18 @@ fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
                 for warning in idemgate::config::warnings(&config) {
                     tracing::warn!("{warning}");
                 }
-                // Every worker runs the same configuration, so the first
-                // refuses for all of them, and one says what was applied.
-                let mut applied = None;
-                for reloader in &reloaders {
-                    match reloader.apply(config.clone()) {
-                        Ok(reloaded) => applied = Some(reloaded),
-                        Err(error) => {
-                            let error = idemgate::telemetry::error_chain(&error);
-                            tracing::error!(
-                                "reload refused, the running configuration stays: {}: {error}",
-                                path.display()
-                            );
-                            applied = None;
-                            break;
-                        }
+                // Every worker takes the same configuration, or none does,
+                // and one line says what was applied.
+                match server::reload_all(&reloaders, config) {
+                    Ok(Some(reloaded)) => reloaded.log(),
+                    Ok(None) => {}
+                    Err(error) => {
+                        let error = idemgate::telemetry::error_chain(&error);
+                        tracing::error!(
+                            "reload refused, the running configuration stays: {}: {error}",
+                            path.display()
+                        );
                     }
-                }
-                if let Some(reloaded) = applied {
-                    reloaded.log();
                 }
             }
         });

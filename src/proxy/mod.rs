@@ -18,7 +18,7 @@ mod fingerprint;
 pub mod forward;
 mod key;
 pub mod problem;
-mod upstream;
+pub(crate) mod upstream;
 
 use std::sync::Arc;
 
@@ -161,8 +161,21 @@ impl Gateway {
         config: Arc<Config>,
         store: StoreHandle,
         metrics: Arc<Metrics>,
-        (exchanges, sent): (TaskTracker, SentClaims),
+        tracked: (TaskTracker, SentClaims),
     ) -> Result<Gateway, crate::server::tls::TlsError> {
+        let client = upstream::client(&config.upstream)?;
+        Ok(Gateway::with_client(config, store, metrics, tracked, client))
+    }
+
+    /// [`Gateway::new`] with an upstream client made for `config` already
+    /// (a reload makes one for every worker: its CA file read once).
+    pub(crate) fn with_client(
+        config: Arc<Config>,
+        store: StoreHandle,
+        metrics: Arc<Metrics>,
+        (exchanges, sent): (TaskTracker, SentClaims),
+        client: upstream::UpstreamClient,
+    ) -> Gateway {
         let routes = config
             .routes
             .iter()
@@ -174,19 +187,19 @@ impl Gateway {
                 })
             })
             .collect();
-        Ok(Gateway {
+        Gateway {
             passthrough: metrics.route(""),
             routes,
             upstream: own_copy(&config.upstream.url),
             context: Arc::new(Context {
-                client: upstream::client(&config.upstream)?,
+                client,
                 store,
                 metrics,
                 exchanges,
                 sent,
             }),
             config,
-        })
+        }
     }
 
     pub fn config(&self) -> &Arc<Config> {

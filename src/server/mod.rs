@@ -89,12 +89,53 @@ pub struct Reloader {
     sent: SentClaims,
 }
 
+/// Applies `config` to every worker, all or none: each is prepared first
+/// (with one upstream client for all, its CA file read once, as a file
+/// rewritten meanwhile could read otherwise for each), and only once
+/// every one can take it are they swapped in. What was applied, logged
+/// once by the caller.
+pub fn reload_all(reloaders: &[Reloader], config: Config) -> Result<Option<Reloaded>, ReloadError> {
+    let client = crate::proxy::upstream::client(&config.upstream)?;
+    let prepared = reloaders
+        .iter()
+        .map(|reloader| reloader.prepare(config.clone(), &client))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(prepared.into_iter().map(Prepared::commit).last())
+}
+
+/// A worker's new gateway, made and checked, not yet in use.
+pub struct Prepared {
+    target: Arc<ArcSwap<Gateway>>,
+    gateway: Gateway,
+    reloaded: Reloaded,
+}
+
+impl Prepared {
+    /// Swaps the new gateway in.
+    fn commit(self) -> Reloaded {
+        self.target.store(Arc::new(self.gateway));
+        self.reloaded
+    }
+}
+
 impl Reloader {
     /// Applies `config` to every request that starts from now on; requests
     /// in flight finish under the configuration they started with. The
     /// listeners and the store stay as they are: changing those needs a
-    /// restart, and [`Reloaded::log`] says so.
-    pub fn apply(&self, mut config: Config) -> Result<Reloaded, ReloadError> {
+    /// restart, and [`Reloaded::log`] says so. (For one worker; see
+    /// [`reload_all`] for several.)
+    pub fn apply(&self, config: Config) -> Result<Reloaded, ReloadError> {
+        let client = crate::proxy::upstream::client(&config.upstream)?;
+        Ok(self.prepare(config, &client)?.commit())
+    }
+
+    /// The gateway `config` makes for this worker, and what it changes,
+    /// or why it cannot be applied.
+    fn prepare(
+        &self,
+        mut config: Config,
+        client: &crate::proxy::upstream::UpstreamClient,
+    ) -> Result<Prepared, ReloadError> {
         let old = self.gateway.load();
         // Always the values in force since the start: each reload carries
         // them forward (below).
@@ -137,18 +178,22 @@ impl Reloader {
         config.server.workers = before.server.workers;
         config.store.backend = before.store.backend.clone();
         config.store.timeout = before.store.timeout;
-        let gateway = Gateway::new(
+        let gateway = Gateway::with_client(
             Arc::new(config),
             old.store().clone(),
             self.metrics.clone(),
             (self.exchanges.clone(), self.sent.clone()),
-        )?;
+            client.clone(),
+        );
         let routes = gateway.config().routes.len();
-        self.gateway.store(Arc::new(gateway));
-        Ok(Reloaded {
-            waiting,
-            tls_kept,
-            routes,
+        Ok(Prepared {
+            target: self.gateway.clone(),
+            gateway,
+            reloaded: Reloaded {
+                waiting,
+                tls_kept,
+                routes,
+            },
         })
     }
 }
@@ -830,16 +875,14 @@ mod tests {
         assert!(admin_stays_guarded(&server("admin_listen = \"\""), &loopback).is_ok());
     }
 
-    /// Two reloads cannot do what one may not: each is compared with what
-    /// is bound, not with the file before it.
-    #[tokio::test]
-    async fn a_reload_is_compared_with_what_is_bound_not_with_the_last_file() {
-        let config = |toml: &str| {
-            let text = format!("[server]\n{toml}\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n");
-            Config::parse(&text, "t.toml").unwrap_or_else(|e| panic!("{e}"))
-        };
-        let running =
-            config("admin_listen = \"0.0.0.0:9901\"\nadmin_token = \"s3cret\"\nheader_read_timeout = \"10s\"");
+    /// A config of `toml` under `[server]`, with an upstream.
+    fn server_config(toml: &str) -> Config {
+        let text = format!("[server]\n{toml}\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n");
+        Config::parse(&text, "t.toml").unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A worker's reloader, running `running` on a memory store.
+    fn reloader(running: Config) -> Reloader {
         let store = StoreHandle::new(
             Arc::new(crate::store::MemoryStore::new(1 << 20)),
             Duration::from_secs(1),
@@ -847,12 +890,55 @@ mod tests {
         let metrics = Arc::new(Metrics::default());
         let tracked = (TaskTracker::new(), SentClaims::default());
         let gateway = Gateway::new(Arc::new(running), store, metrics.clone(), tracked.clone()).unwrap();
-        let reloader = Reloader {
+        Reloader {
             gateway: Arc::new(ArcSwap::from_pointee(gateway)),
             metrics,
             exchanges: tracked.0,
             sent: tracked.1,
-        };
+        }
+    }
+
+    /// A reload every worker cannot take is taken by none: here the
+    /// second worker's listener is public and the file drops its token,
+    /// and the first, which could take it, keeps running the old file.
+    #[tokio::test]
+    async fn a_reload_one_worker_refuses_is_applied_by_none() {
+        let config = server_config;
+        let workers = [
+            reloader(config("admin_listen = \"127.0.0.1:9901\"\nshutdown_grace = \"7s\"")),
+            reloader(config(
+                "admin_listen = \"0.0.0.0:9901\"\nadmin_token = \"s3cret\"\nshutdown_grace = \"7s\"",
+            )),
+        ];
+        let refused = reload_all(
+            &workers,
+            config("admin_listen = \"127.0.0.1:9901\"\nshutdown_grace = \"3s\""),
+        );
+        assert!(matches!(refused, Err(ReloadError::AdminToken(_))), "{refused:?}");
+        for worker in &workers {
+            let running = worker.gateway.load().config().clone();
+            assert_eq!(running.server.shutdown_grace, Duration::from_secs(7));
+        }
+        // One every worker can take is taken by all.
+        let applied = reload_all(
+            &workers,
+            config("admin_listen = \"127.0.0.1:9901\"\nadmin_token = \"s3cret\"\nshutdown_grace = \"3s\""),
+        );
+        assert!(matches!(applied, Ok(Some(_))), "{applied:?}");
+        for worker in &workers {
+            let running = worker.gateway.load().config().clone();
+            assert_eq!(running.server.shutdown_grace, Duration::from_secs(3));
+        }
+    }
+
+    /// Two reloads cannot do what one may not: each is compared with what
+    /// is bound, not with the file before it.
+    #[tokio::test]
+    async fn a_reload_is_compared_with_what_is_bound_not_with_the_last_file() {
+        let config = server_config;
+        let running =
+            config("admin_listen = \"0.0.0.0:9901\"\nadmin_token = \"s3cret\"\nheader_read_timeout = \"10s\"");
+        let reloader = reloader(running);
         // The file moves the listener to loopback and keeps the token:
         // applied, but the listener is still where it was bound.
         let moved = "admin_listen = \"127.0.0.1:9901\"\nheader_read_timeout = \"1s\"";
