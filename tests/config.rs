@@ -877,6 +877,12 @@ fn config_errors_never_repeat_a_secret() {
         "[upstream]\nurl = \"http://h:1\"\n[store]\nbackend = \"redis\"\nurls = \"redis://:hunter2@r:6379\"\n",
         "[upstream]\nurl = \"http://h:1\"\n[server]\nadmin_token = 8675309\n",
         "[upstream]\nurl = \"http://app:hunter2@127.0.0.1:3000\"\n",
+        // A token in a path or query.
+        "[upstream]\nurl = \"http://127.0.0.1:3000/hunter2?tok=hunter2\"\n",
+        "[upstream]\nurl = \"http://127.0.0.1:3000?tok=hunter2\"\n",
+        "[upstream]\nurl = \"http://127.0.0.1:80800/hunter2\"\n",
+        "[upstream]\nurl = \"ftp://127.0.0.1:3000/hunter2\"\n",
+        "[upstream]\nurl = \"http:///hunter2\"\n",
     ] {
         let error = Config::parse(text, "x.toml").unwrap_err().to_string();
         assert!(!error.contains("hunter2") && !error.contains("8675309"), "{error}");

@@ -176,13 +176,20 @@ fn upstream_url(s: &str) -> Result<Uri, String> {
     if authority.is_some_and(|a| a.contains('@')) {
         return Err("must not hold a user or password (user@host): the upstream would get it as its Host".into());
     }
-    let uri: Uri = s.parse().map_err(|e| format!("`{s}` is not a URL ({e})"))?;
+    // Shown without its path or query, which may hold a token (as the
+    // password above is never shown).
+    let shown = s.split_once("://").map_or(s, |(scheme, rest)| {
+        let end = rest.find(['/', '?', '#']).map_or(s.len(), |i| scheme.len() + 3 + i);
+        &s[..end]
+    });
+    let shown = shown.split(['?', '#']).next().unwrap_or_default();
+    let uri: Uri = s.parse().map_err(|e| format!("`{shown}` is not a URL ({e})"))?;
     match uri.scheme_str() {
         Some("http") | Some("https") => {}
-        _ => return Err(format!("`{s}` must start with http:// or https://")),
+        _ => return Err(format!("`{shown}` must start with http:// or https://")),
     }
     let (Some(authority), Some(host)) = (uri.authority(), uri.host().filter(|h| !h.is_empty())) else {
-        return Err(format!("`{s}` has no host"));
+        return Err(format!("`{shown}` has no host"));
     };
     // The parser lets any port through, and an unreadable one would be
     // the scheme's (`:80800`, a typo of 8080, would go to port 80).
@@ -193,11 +200,13 @@ fn upstream_url(s: &str) -> Result<Uri, String> {
         && port.parse::<u16>().map_or(true, |port| port == 0)
     {
         return Err(format!(
-            "`{s}` has the port `{port}`: a port is a number from 1 to 65535"
+            "`{shown}` has the port `{port}`: a port is a number from 1 to 65535"
         ));
     }
     if uri.path() != "/" && !uri.path().is_empty() || uri.query().is_some() {
-        return Err(format!("`{s}` must be scheme://host[:port] without a path"));
+        return Err(format!(
+            "`{shown}` must be scheme://host[:port] without a path or query"
+        ));
     }
     Ok(uri)
 }

@@ -22,7 +22,9 @@ pub enum TlsError {
     },
     #[error("{field}: {path} holds no certificate")]
     NoCertificate { field: &'static str, path: PathBuf },
-    #[error("server.tls.key: cannot read a private key from {path}")]
+    #[error(
+        "server.tls.key: cannot read a private key from {path} (an unencrypted PEM key: PKCS#8, PKCS#1 or SEC1; decrypt an encrypted one first)"
+    )]
     Key {
         path: PathBuf,
         #[source]
