@@ -100,14 +100,21 @@ macro_rules! warn_throttled {
 }
 pub(crate) use warn_throttled;
 
-/// Installs the global subscriber: `RUST_LOG` filters (default `info`),
+/// The log filter without `RUST_LOG`: `info`, but the Redis client's
+/// own warnings, which it makes for every request while a cluster node is
+/// down (over a hundred lines a second, probe), only as errors: idemgate
+/// says what failed, a line a second, itself.
+pub const DEFAULT_FILTER: &str = "info,redis=error";
+
+/// Installs the global subscriber: `RUST_LOG` filters (default
+/// [`DEFAULT_FILTER`]),
 /// `IDEMGATE_LOG_FORMAT=json` selects JSON lines instead of text. Text is
 /// coloured only on a terminal (and without `NO_COLOR`): a service
 /// manager, a container runtime or a file gets plain lines.
 pub fn init() {
     use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_FILTER));
     let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -128,6 +135,22 @@ pub fn init() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// By default idemgate's own lines from `info` up, and of the Redis
+    /// client's only its errors.
+    #[test]
+    fn the_default_filter_keeps_the_redis_clients_warnings_out() {
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(DEFAULT_FILTER))
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            assert!(tracing::enabled!(target: "idemgate::store", tracing::Level::INFO));
+            assert!(!tracing::enabled!(target: "idemgate::store", tracing::Level::DEBUG));
+            const REDIS: &str = "redis::cluster_handling::async_connection";
+            assert!(!tracing::enabled!(target: REDIS, tracing::Level::WARN));
+            assert!(tracing::enabled!(target: REDIS, tracing::Level::ERROR));
+        });
+    }
 
     #[test]
     fn a_throttle_lets_one_line_a_second_through_and_counts_the_rest() {
