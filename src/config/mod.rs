@@ -457,7 +457,9 @@ pub fn warnings(config: &Config) -> Vec<String> {
         .filter(move |(_, route)| shared && route.policy.max_response_body > readable);
     let large = large.map(|(i, route)| {
         format!(
-            "route[{i}] {}: max_response_body ({} bytes) is more than Redis may be counted on to send              back within store.timeout ({}, about {readable} bytes): the replay of an answer that              large may time out (503) on every retry",
+            "route[{i}] {}: max_response_body ({} bytes) is more than Redis may be counted on to send \
+             back within store.timeout ({}, about {readable} bytes): the replay of an answer that \
+             large may time out on every retry (503, or forwarded unprotected with on_error = \"pass\")",
             route.name,
             route.policy.max_response_body,
             d(store_timeout),

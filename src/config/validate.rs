@@ -163,7 +163,15 @@ fn key_header_name(s: &str, forwarded: bool) -> Result<HeaderName, String> {
     // does) takes it for the other, which is why idemgate drops those.
     if forwarded && name.as_str().replace('_', "-").starts_with("x-forwarded-") {
         return Err(format!(
-            "`{s}` is a header idemgate sets for the upstream: the client's key would set it instead"
+            "`{s}` is a proxy's header to the upstream (idemgate sets X-Forwarded-For, -Proto and -Host): \
+             the client's key would set it instead"
+        ));
+    }
+    // Dropped on the way (the listener answers `100-continue` itself):
+    // the key would never reach the upstream.
+    if forwarded && name == http::header::EXPECT {
+        return Err(format!(
+            "`{s}` is dropped before the upstream: the key would never reach it"
         ));
     }
     Ok(name)
@@ -178,11 +186,10 @@ fn upstream_url(s: &str) -> Result<Uri, String> {
     }
     // Shown without its path or query, which may hold a token (as the
     // password above is never shown).
-    let shown = s.split_once("://").map_or(s, |(scheme, rest)| {
-        let end = rest.find(['/', '?', '#']).map_or(s.len(), |i| scheme.len() + 3 + i);
-        &s[..end]
-    });
-    let shown = shown.split(['?', '#']).next().unwrap_or_default();
+    let shown = match s.split_once("://") {
+        Some((scheme, rest)) => &s[..rest.find(['/', '?', '#']).map_or(s.len(), |i| scheme.len() + 3 + i)],
+        None => s.split(['/', '?', '#']).next().unwrap_or_default(),
+    };
     let uri: Uri = s.parse().map_err(|e| format!("`{shown}` is not a URL ({e})"))?;
     match uri.scheme_str() {
         Some("http") | Some("https") => {}
@@ -326,11 +333,6 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
             raw.key.derive.as_ref(),
             base.key.derive.clone(),
             |list| {
-                // An empty list would be no list: a route that means to
-                // derive its keys would need the header instead.
-                if list.is_empty() {
-                    return Err("is empty: list the fields the key is made of, or leave derive out".into());
-                }
                 let mut fields = list.iter().map(|s| derive_field(s)).collect::<Result<Vec<_>, _>>()?;
                 fields.sort_by_key(|f| f.to_string());
                 fields.dedup();
