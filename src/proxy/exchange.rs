@@ -599,8 +599,11 @@ impl Exchange {
             Some(Err(error)) => {
                 counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(route = %live.route.name, key = %key.tag(), error = %error_chain(&error), "upstream failed after the request was sent");
-                // No head: nothing says whether the backend acted.
-                let problem = fail(guard, policy, Failure::Broken, None).await;
+                // No head, nothing says whether the backend acted; but a
+                // head begun (an early answer's, the write having failed)
+                // settles it by its status, as a timeout's does.
+                let head = begun.status().map(|status| !released(status, policy));
+                let problem = fail(guard, policy, Failure::Broken, head).await;
                 let _ = reply.send(problem.response());
                 return;
             }

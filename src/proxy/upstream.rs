@@ -416,7 +416,7 @@ impl UpstreamClient {
                 // rare, and the wait would otherwise make every request's
                 // future larger.)
                 Err(WriteFailure::Sent(UpstreamError::Io(error))) => {
-                    Box::pin(early_answer(&mut conn, head_only, error)).await
+                    Box::pin(early_answer(&mut conn, head_only, error, begun)).await
                 }
                 Err(WriteFailure::Sent(error)) => Err(error),
             };
@@ -565,9 +565,14 @@ async fn early_answer(
     conn: &mut Conn,
     head_only: bool,
     error: io::Error,
+    begun: Option<&HeadBegun>,
 ) -> Result<(Response<()>, Framing, bool), UpstreamError> {
-    match tokio::time::timeout(EARLY_ANSWER_WAIT, read_head(conn, head_only, None)).await {
+    match tokio::time::timeout(EARLY_ANSWER_WAIT, read_head(conn, head_only, begun)).await {
         Ok(Ok((response, framing, _))) => Ok((response, framing, false)),
+        // An answer with a status that cannot be passed on (a head cut
+        // off after it, say) says the backend had the request, as it
+        // would had the write gone through.
+        Ok(Err(refused @ UpstreamError::Refused(..))) => Err(refused),
         Ok(Err(_)) | Err(_) => Err(UpstreamError::Io(error)),
     }
 }
