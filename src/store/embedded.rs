@@ -591,6 +591,13 @@ impl EmbeddedStore {
             .iter()
             .map(|(n, _)| *n)
             .filter(|n| !damaged_segments.contains(n));
+        // Spares an earlier run left are not reused: after a restore of the
+        // file, or a store begun afresh beside them, one may have held a
+        // number this run will use again, and a first entry this run
+        // writes the same as that life's (a release of the same key) would
+        // chain on into its old entries, replayed as this run's. Those
+        // retired from here on hold numbers below any this run will use.
+        Wal::discard_spares(path).map_err(unavailable)?;
         Wal::retire(path, retired).map_err(unavailable)?;
         let wal = Wal::create(path, next).map_err(unavailable)?;
         {
@@ -1024,6 +1031,14 @@ impl Wal {
         fill().inspect_err(|_| {
             let _ = fs::remove_file(&temporary);
         })
+    }
+
+    /// Removes every spare segment.
+    fn discard_spares(path: &Path) -> std::io::Result<()> {
+        for (_, spare) in Wal::numbered(path, "-wal-spare.")? {
+            fs::remove_file(spare)?;
+        }
+        Ok(())
     }
 
     /// Retires segments `ns`: the first few become spares, the rest are
@@ -2405,6 +2420,37 @@ mod tests {
             } else {
                 assert_eq!(fs::read(&aside).unwrap(), flipped, "kept aside as it was");
             }
+        }
+    }
+
+    /// Spares an earlier run left are not reused: one may hold an earlier
+    /// life's entries under a number this run will use again (after a
+    /// restore), which an identical first entry would chain on into.
+    #[tokio::test]
+    async fn spares_an_earlier_run_left_are_not_reused() {
+        let dir = scratch();
+        let path = dir.path().join("s.redb");
+        drop(EmbeddedStore::open(&path).unwrap());
+        let store = reopen(&path);
+        drop(store);
+        // A spare as an earlier life left it, marked.
+        let marker = b"an earlier life's entries";
+        let spares = Wal::numbered(&path, "-wal-spare.").unwrap();
+        assert!(!spares.is_empty(), "no spare to mark");
+        for (_, spare) in &spares {
+            let mut bytes = fs::read(spare).unwrap();
+            bytes[4096..4096 + marker.len()].copy_from_slice(marker);
+            fs::write(spare, bytes).unwrap();
+        }
+        drop(reopen(&path));
+        let files = Wal::numbered(&path, "-wal-spare.").unwrap();
+        for (_, file) in files.iter().chain(&Wal::segments(&path).unwrap()) {
+            let bytes = fs::read(file).unwrap();
+            assert!(
+                !bytes.windows(marker.len()).any(|w| w == marker),
+                "{} was reused",
+                file.display()
+            );
         }
     }
 
