@@ -538,6 +538,8 @@ fn settings_that_could_never_work_are_refused_by_field() {
         ("forward_key_header", "host"),
         ("forward_key_header", "transfer-encoding"),
         ("forward_key_header", "Expect"),
+        ("forward_key_header", "Forwarded"),
+        ("key.header", "expect"),
         ("key.header", "Content-Length"),
         ("key.header", "connection"),
         ("key.header", "upgrade"),

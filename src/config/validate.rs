@@ -161,17 +161,20 @@ fn key_header_name(s: &str, forwarded: bool) -> Result<HeaderName, String> {
     }
     // `X_Forwarded_For` too: a backend that reads `_` as `-` (as CGI
     // does) takes it for the other, which is why idemgate drops those.
-    if forwarded && name.as_str().replace('_', "-").starts_with("x-forwarded-") {
+    let dashed = name.as_str().replace('_', "-");
+    if forwarded && (dashed.starts_with("x-forwarded-") || name == http::header::FORWARDED) {
         return Err(format!(
             "`{s}` is a proxy's header to the upstream (idemgate sets X-Forwarded-For, -Proto and -Host): \
              the client's key would set it instead"
         ));
     }
-    // Dropped on the way (the listener answers `100-continue` itself):
-    // the key would never reach the upstream.
-    if forwarded && name == http::header::EXPECT {
+    // The listener's own (it answers `100-continue` itself): forwarded,
+    // the key would never reach the upstream; read, every client that
+    // waits for a 100 would send the one key `100-continue`.
+    if name == http::header::EXPECT {
         return Err(format!(
-            "`{s}` is dropped before the upstream: the key would never reach it"
+            "`{s}` belongs to the listener (it answers 100-continue, and does not pass the header on): \
+             the key needs a header of its own"
         ));
     }
     Ok(name)
