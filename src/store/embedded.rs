@@ -27,7 +27,10 @@
 //! Log segments are named `<path>-wal.<n>` (see [`Wal`]); each entry
 //! carries its length and a CRC-32, and a torn entry at the end of a
 //! segment (a crash in the middle of an append) is ignored: it was never
-//! acknowledged.
+//! acknowledged. A segment records may be in that is missing is refused
+//! at open; an entry damaged in its checksum or length is read whole, and
+//! one damaged in its body ends replay of its segment, which is kept aside
+//! (see [`Wal::damage`]). Spares an earlier run left are removed at open.
 //!
 //! A failed write, of the log or of a checkpoint into the file, stops the
 //! store taking writes (fail-stop, as databases do): after it the kernel
