@@ -444,7 +444,7 @@ pub fn warnings(config: &Config) -> Vec<String> {
         });
     // A replay from Redis reads the whole record back within the store
     // timeout (its claim finds it), and nothing can tell its size before:
-    // a record larger than that time moves is refused (503) to every retry.
+    // a record larger than that time moves fails every retry's claim.
     let shared = matches!(
         config.store.backend,
         StoreBackend::Redis { .. } | StoreBackend::RedisCluster { .. }
@@ -505,8 +505,8 @@ pub fn warnings(config: &Config) -> Vec<String> {
         ))
     });
     // Legal (requests for its path pass through to its upstream, unless a
-    // later route takes them), but
-    // more likely a slip than a pass-through route.
+    // later route takes them), but more likely a slip than a pass-through
+    // route.
     let no_methods = config
         .routes
         .iter()

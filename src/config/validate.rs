@@ -149,9 +149,10 @@ fn header_name(s: &str) -> Result<HeaderName, String> {
 /// A header the key is read from (`key.header`) or forwarded under
 /// (`forward_key_header`, `forwarded`): not one of the connection or of
 /// the body's framing (hop-by-hop, `Content-Length`, `Host`), which would
-/// read the key from them or put it in their place; nor, to forward
-/// under, one of the `X-Forwarded-*` that idemgate sets, which the
-/// client's key would then set instead (its address, say).
+/// read the key from them or put it in their place, nor `Expect`, the
+/// listener's own; nor, to forward under, `Forwarded` or an
+/// `X-Forwarded-*`, a proxy's word to the upstream, which the client's
+/// key would then set (its address, say).
 fn key_header_name(s: &str, forwarded: bool) -> Result<HeaderName, String> {
     let name = header_name(s)?;
     if crate::wire::is_hop_by_hop(&name) || name == http::header::CONTENT_LENGTH || name == http::header::HOST {
@@ -161,8 +162,7 @@ fn key_header_name(s: &str, forwarded: bool) -> Result<HeaderName, String> {
     }
     // `X_Forwarded_For` too: a backend that reads `_` as `-` (as CGI
     // does) takes it for the other, which is why idemgate drops those.
-    let dashed = name.as_str().replace('_', "-");
-    if forwarded && (dashed.starts_with("x-forwarded-") || name == http::header::FORWARDED) {
+    if forwarded && (name.as_str().replace('_', "-").starts_with("x-forwarded-") || name == http::header::FORWARDED) {
         return Err(format!(
             "`{s}` is a proxy's header to the upstream (idemgate sets X-Forwarded-For, -Proto and -Host): \
              the client's key would set it instead"

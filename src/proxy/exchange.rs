@@ -555,6 +555,8 @@ impl Exchange {
         let deadline = started + timeout;
         guard.sending(policy);
         let begun = HeadBegun::default();
+        // What a head begun and cut off says of the outcome (see `fail`).
+        let begun_head = || begun.status().map(|status| !released(status, policy));
         let sent = guard
             .renewing_until(
                 deadline,
@@ -602,8 +604,7 @@ impl Exchange {
                 // No head, nothing says whether the backend acted; but a
                 // head begun (an early answer's, the write having failed)
                 // settles it by its status, as a timeout's does.
-                let head = begun.status().map(|status| !released(status, policy));
-                let problem = fail(guard, policy, Failure::Broken, head).await;
+                let problem = fail(guard, policy, Failure::Broken, begun_head()).await;
                 let _ = reply.send(problem.response());
                 return;
             }
@@ -611,10 +612,9 @@ impl Exchange {
                 counters.count(TelemetryOutcome::UpstreamError);
                 // A head cut off by the deadline after its status line is
                 // settled by its status, as one cut off by a reset is.
-                let status = begun.status();
-                tracing::warn!(route = %live.route.name, key = %key.tag(), status = status.map(|s| s.as_u16()), "upstream timed out");
-                let head = status.map(|status| !released(status, policy));
-                let problem = fail(guard, policy, Failure::Timeout, head).await;
+                let status = begun.status().map(|s| s.as_u16());
+                tracing::warn!(route = %live.route.name, key = %key.tag(), status, "upstream timed out");
+                let problem = fail(guard, policy, Failure::Timeout, begun_head()).await;
                 let _ = reply.send(problem.response());
                 return;
             }

@@ -104,7 +104,7 @@ pub fn reload_all(reloaders: &[Reloader], config: Config) -> Result<Option<Reloa
 }
 
 /// A worker's new gateway, made and checked, not yet in use.
-pub struct Prepared {
+struct Prepared {
     target: Arc<ArcSwap<Gateway>>,
     gateway: Gateway,
     reloaded: Reloaded,
@@ -125,8 +125,8 @@ impl Reloader {
     /// restart, and [`Reloaded::log`] says so. (For one worker; see
     /// [`reload_all`] for several.)
     pub fn apply(&self, config: Config) -> Result<Reloaded, ReloadError> {
-        let client = crate::proxy::upstream::client(&config.upstream)?;
-        Ok(self.prepare(config, &client)?.commit())
+        let applied = reload_all(std::slice::from_ref(self), config)?;
+        Ok(applied.expect("one worker, applied"))
     }
 
     /// The gateway `config` makes for this worker, and what it changes,

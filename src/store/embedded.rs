@@ -30,7 +30,7 @@
 //! acknowledged. A segment records may be in that is missing is refused
 //! at open; an entry damaged in its checksum or length is read whole, and
 //! one damaged in its body ends replay of its segment, which is kept aside
-//! (see [`Wal::damage`]). Spares an earlier run left are removed at open.
+//! (see [`Wal::damage_at`]). Spares an earlier run left are removed at open.
 //!
 //! A failed write, of the log or of a checkpoint into the file, stops the
 //! store taking writes (fail-stop, as databases do): after it the kernel
@@ -565,26 +565,15 @@ impl EmbeddedStore {
             txn.commit().map_err(unavailable)?;
             next
         };
-        // The old segments are in the file (below `applied_below`): they
-        // become spares first, so the new segment is one of them, and a
-        // full disk needs no room for it.
         // A segment whose entries stop at damage is kept aside, as it is,
         // to be looked into (it would be a spare, overwritten, and its
         // entries past the damage may be read by hand); under a name no
         // earlier one has (a restored file repeats numbers).
         for n in &damaged_segments {
             let segment = Wal::segment_path(path, *n);
-            let aside = (1..)
-                .map(|k| {
-                    Wal::named(
-                        &segment,
-                        &if k == 1 {
-                            ".damaged".into()
-                        } else {
-                            format!(".damaged.{k}")
-                        },
-                    )
-                })
+            let suffixes = std::iter::once(".damaged".to_owned()).chain((2..).map(|k| format!(".damaged.{k}")));
+            let aside = suffixes
+                .map(|suffix| Wal::named(&segment, &suffix))
                 .find(|aside| !aside.exists())
                 .expect("a free name");
             fs::rename(&segment, &aside).map_err(unavailable)?;
@@ -601,6 +590,9 @@ impl EmbeddedStore {
         // chain on into its old entries, replayed as this run's. Those
         // retired from here on hold numbers below any this run will use.
         Wal::discard_spares(path).map_err(unavailable)?;
+        // The old segments are in the file (below `applied_below`): they
+        // become spares first, so the new segment is one of them, and a
+        // full disk needs no room for it.
         Wal::retire(path, retired).map_err(unavailable)?;
         let wal = Wal::create(path, next).map_err(unavailable)?;
         {
@@ -845,7 +837,7 @@ const SPARE_ROOM: u64 = 256 << 20;
 /// A log entry: its key, and the value put, or `None` for a removal.
 type Entry<'a> = (&'a [u8; 32], Option<&'a [u8]>);
 
-/// A damaged log entry (see [`Wal::damage`]): where it is, and, when
+/// A damaged log entry (see [`Wal::damage_at`]): where it is, and, when
 /// it can be read whole all the same, how.
 #[derive(Debug, PartialEq, Eq)]
 struct Damage {
@@ -877,6 +869,49 @@ impl Damage {
             at,
             repaired: chained.then_some(repaired),
         }
+    }
+}
+
+/// The entries of a segment, in order, each checked against its
+/// checksum, chained from the one before (`link`; `None`: not chained),
+/// up to the first that is not whole, chained on and of a known kind.
+/// Where it stopped (`at`, `link`) is where [`Wal::damage_at`] looks.
+struct Walk<'a> {
+    bytes: &'a [u8],
+    segment: u64,
+    at: usize,
+    link: Option<u32>,
+}
+
+impl<'a> Walk<'a> {
+    fn new(bytes: &'a [u8], segment: u64, link: Option<u32>) -> Walk<'a> {
+        Walk {
+            bytes,
+            segment,
+            at: 0,
+            link,
+        }
+    }
+
+    /// Goes on at `at`, after an entry whose checksum is `link`.
+    fn resume(&mut self, at: usize, link: u32) {
+        self.at = at;
+        self.link = self.link.map(|_| link);
+    }
+}
+
+impl<'a> Iterator for Walk<'a> {
+    type Item = Entry<'a>;
+
+    fn next(&mut self) -> Option<Entry<'a>> {
+        let (len, crc, body) = Wal::read_at(self.bytes, self.at)?;
+        if Wal::crc(self.segment, self.link, body) != crc {
+            return None;
+        }
+        let entry = Wal::read_entry(body)?;
+        self.at += 8 + len;
+        self.link = self.link.map(|_| crc);
+        Some(entry)
     }
 }
 
@@ -1142,50 +1177,41 @@ impl Wal {
     /// The entries of segment `segment`, up to the first torn, damaged or
     /// stale one; `chained` unless written before entries were.
     #[cfg(test)]
-    fn entries(bytes: &[u8], segment: u64, chained: bool) -> impl Iterator<Item = Entry<'_>> {
-        Wal::entries_after(bytes, segment, chained.then_some(0))
-    }
-
-    /// [`Wal::entries`] of `bytes` that begin after the entry whose
-    /// checksum is `link` (`None`: not chained).
-    fn entries_after(mut bytes: &[u8], segment: u64, mut link: Option<u32>) -> impl Iterator<Item = Entry<'_>> {
-        std::iter::from_fn(move || {
-            let len = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
-            let crc = u32::from_le_bytes(bytes.get(4..8)?.try_into().ok()?);
-            let body = bytes.get(8..8 + len).filter(|b| b.len() >= 33)?;
-            if Wal::crc(segment, link, body) != crc {
-                return None;
-            }
-            link = link.map(|_| crc);
-            bytes = &bytes[8 + len..];
-            Wal::read_entry(body)
-        })
+    fn entries(bytes: &[u8], segment: u64, chained: bool) -> Walk<'_> {
+        Walk::new(bytes, segment, chained.then_some(0))
     }
 
     /// The entries of segment `segment` to replay, in order, and the
     /// damaged entries met, each by its offset and whether it was read
-    /// whole all the same (see [`Wal::damage`]): past one so repaired,
+    /// whole all the same (see [`Wal::damage_at`]): past one so repaired,
     /// replay goes on; at one that is not, it stops, as at a torn end.
     fn replayable(bytes: &[u8], segment: u64, chained: bool) -> (Vec<Entry<'_>>, Vec<(usize, bool)>) {
         let (mut entries, mut damaged) = (Vec::new(), Vec::new());
-        let (mut from, mut link) = (0, chained.then_some(0));
+        let mut walk = Walk::new(bytes, segment, chained.then_some(0));
         loop {
-            let rest = &bytes[from..];
-            entries.extend(Wal::entries_after(rest, segment, link));
-            let Some(damage) = Wal::damage(rest, segment, link) else {
+            entries.extend(&mut walk);
+            let Some(damage) = Wal::damage_at(bytes, walk.at, segment, walk.link) else {
                 return (entries, damaged);
             };
             let repaired = damage
                 .repaired
-                .and_then(|r| Some((Wal::read_entry(&rest[r.body.clone()])?, r)));
-            damaged.push((from + damage.at, repaired.is_some()));
+                .and_then(|r| Some((Wal::read_entry(&bytes[r.body.clone()])?, r)));
+            damaged.push((damage.at, repaired.is_some()));
             let Some((entry, repaired)) = repaired else {
                 return (entries, damaged);
             };
             entries.push(entry);
-            from += repaired.resume;
-            link = link.map(|_| repaired.link);
+            walk.resume(repaired.resume, repaired.link);
         }
+    }
+
+    /// The length, checksum and body of the entry at `at` of `bytes`, if
+    /// they are there to read (not whether the checksum passes).
+    fn read_at(bytes: &[u8], at: usize) -> Option<(usize, u32, &[u8])> {
+        let len = u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize;
+        let crc = u32::from_le_bytes(bytes.get(at + 4..at + 8)?.try_into().ok()?);
+        let body = bytes.get(at + 8..at + 8 + len).filter(|b| b.len() >= 33)?;
+        Some((len, crc, body))
     }
 
     /// An entry's key and change, from its body.
@@ -1198,62 +1224,52 @@ impl Wal {
         }
     }
 
-    /// Where the entries of `bytes` (the first chained from `link`) end
-    /// early, if they can be seen to. An entry whose checksum fails,
-    /// followed by one whose checksum passes chained from the checksum
-    /// its body has (under this segment's chain), was damaged in its
-    /// checksum alone: it is read whole, the entry after vouching for its
-    /// body. So is one whose length was damaged, found by the length its
-    /// checksum passes at, when the entry after it passes too. One whose
-    /// checksum fails followed by one chained from the checksum it holds
-    /// was damaged in its body (a flipped bit), or is an earlier life's
-    /// entry where this life's end (a recycled file under the same number,
-    /// from a restored backup), which looks the same: replay stops there.
-    /// So it does at damage to the last entry's length, or over more than
-    /// one entry, which looks like a torn end (`None`), and at any damage
-    /// in a log written before entries were chained (no `link`), where
-    /// nothing vouches for a body.
-    fn damage(bytes: &[u8], segment: u64, link: Option<u32>) -> Option<Damage> {
-        let read = |at: usize| -> Option<(usize, u32, &[u8])> {
-            let len = u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize;
-            let crc = u32::from_le_bytes(bytes.get(at + 4..at + 8)?.try_into().ok()?);
-            let body = bytes.get(at + 8..at + 8 + len).filter(|b| b.len() >= 33)?;
-            Some((len, crc, body))
-        };
+    /// Whether the entry at `at` of `bytes`, where a segment's entries
+    /// (chained from `link`) stopped, is damage that can be seen as such.
+    /// One whose checksum fails, followed by one whose checksum passes
+    /// chained from the checksum its body has (under this segment's
+    /// chain), was damaged in its checksum alone: it is read whole, the
+    /// entry after vouching for its body. So is one whose length was
+    /// damaged, found by the length its checksum passes at, when the entry
+    /// after it passes too. One whose checksum fails followed by one
+    /// chained from the checksum it holds was damaged in its body (a
+    /// flipped bit), or is an earlier life's entry where this life's end
+    /// (a recycled file under the same number, from a restored backup),
+    /// which looks the same: replay stops there. So it does at damage to
+    /// the last entry's length, or over more than one entry, which looks
+    /// like a torn end (`None`), and at any damage in a log written before
+    /// entries were chained (no `link`), where nothing vouches for a body.
+    fn damage_at(bytes: &[u8], at: usize, segment: u64, link: Option<u32>) -> Option<Damage> {
         // Whether the entry at `next` passes, chained from `from`.
         let chained = link.is_some();
         let passes_after = |next: usize, from: u32| {
-            read(next).is_some_and(|(_, crc, body)| Wal::crc(segment, chained.then_some(from), body) == crc)
+            Wal::read_at(bytes, next)
+                .is_some_and(|(_, crc, body)| Wal::crc(segment, chained.then_some(from), body) == crc)
         };
-        let (mut at, mut link) = (0, link);
-        loop {
-            let Some((len, crc, body)) = read(at) else {
-                let len = Wal::damaged_length(bytes, at, segment, link, passes_after)?;
-                return Some(Damage::length(at, len, bytes, chained));
-            };
+        if let Some((len, crc, body)) = Wal::read_at(bytes, at) {
             let next = at + 8 + len;
             let expected = Wal::crc(segment, link, body);
-            if expected != crc {
-                if passes_after(next, expected) {
-                    let repaired = Repaired {
-                        body: at + 8..next,
-                        resume: next,
-                        link: expected,
-                    };
-                    return Some(Damage {
-                        at,
-                        repaired: chained.then_some(repaired),
-                    });
-                }
-                if passes_after(next, crc) {
-                    return Some(Damage { at, repaired: None });
-                }
-                let len = Wal::damaged_length(bytes, at, segment, link, passes_after)?;
-                return Some(Damage::length(at, len, bytes, chained));
+            if expected == crc {
+                // Whole, but of no kind this version writes: an end.
+                return None;
             }
-            link = link.map(|_| crc);
-            at = next;
+            if passes_after(next, expected) {
+                let repaired = Repaired {
+                    body: at + 8..next,
+                    resume: next,
+                    link: expected,
+                };
+                return Some(Damage {
+                    at,
+                    repaired: chained.then_some(repaired),
+                });
+            }
+            if passes_after(next, crc) {
+                return Some(Damage { at, repaired: None });
+            }
         }
+        let len = Wal::damaged_length(bytes, at, segment, link, passes_after)?;
+        Some(Damage::length(at, len, bytes, chained))
     }
 
     /// The length at which the entry at `at` (chained from `link`),
@@ -2434,8 +2450,7 @@ mod tests {
         let dir = scratch();
         let path = dir.path().join("s.redb");
         drop(EmbeddedStore::open(&path).unwrap());
-        let store = reopen(&path);
-        drop(store);
+        drop(reopen(&path));
         // A spare as an earlier life left it, marked.
         let marker = b"an earlier life's entries";
         let spares = Wal::numbered(&path, "-wal-spare.").unwrap();
