@@ -27,8 +27,10 @@
 //! Log segments are named `<path>-wal.<n>` (see [`Wal`]); each entry
 //! carries its length and a CRC-32, and a torn entry at the end of a
 //! segment (a crash in the middle of an append) is ignored: it was never
-//! acknowledged. A segment records may be in that is missing is refused
-//! at open; an entry damaged in its checksum or length is read whole, and
+//! acknowledged. A segment the log moves on from is sealed with a last
+//! entry naming the next. A segment records may be in that is missing (by
+//! the file's record of what was made, a gap, or a seal) is refused at
+//! open; an entry damaged in its checksum or length is read whole, and
 //! one damaged in its body ends replay of its segment, which is kept aside
 //! (see [`Wal::damage_at`]). Spares an earlier run left are removed at open.
 //!
@@ -536,7 +538,14 @@ impl EmbeddedStore {
                             "the embedded store's log segment is shorter than it was made (truncated): entries past its end are lost"
                         );
                     }
-                    let (entries, damaged) = Wal::replayable(&bytes, *n, chained);
+                    let (entries, damaged, sealed) = Wal::replayable(&bytes, *n, chained);
+                    // Sealed for a segment not there: the newest, made
+                    // since the last checkpoint, and lost with what it held.
+                    if let Some(sealed) = sealed
+                        && segments.binary_search_by_key(&sealed, |(n, _)| *n).is_err()
+                    {
+                        return Err(StoreError::Unavailable(Wal::missing(path, sealed, sealed).into()));
+                    }
                     for (key, change) in entries {
                         match change {
                             Some(value) => table.insert(key, value),
@@ -821,6 +830,12 @@ struct Wal {
 
 const PUT: u8 = 1;
 const REMOVE: u8 = 0;
+/// A segment's last entry once the log has moved on to the next: its value
+/// is the next segment's number (and its key all zeros). The newest
+/// segment is recorded as made in the file only at the next checkpoint;
+/// until then, this is what tells a restart that it was made, so one
+/// missing is refused rather than opened over.
+const SEALED: u8 = 2;
 /// A segment's zero-filled size; a batch that starts within the headroom
 /// of the end goes to the next segment. Batches are cut at about the
 /// headroom's size, so only a single answer larger than it (up to
@@ -874,13 +889,15 @@ impl Damage {
 
 /// The entries of a segment, in order, each checked against its
 /// checksum, chained from the one before (`link`; `None`: not chained),
-/// up to the first that is not whole, chained on and of a known kind.
-/// Where it stopped (`at`, `link`) is where [`Wal::damage_at`] looks.
+/// up to the first that is not whole, chained on and of a known kind, or
+/// to the seal that ends it (`sealed`, the next segment's number). Where
+/// it stopped otherwise (`at`, `link`) is where [`Wal::damage_at`] looks.
 struct Walk<'a> {
     bytes: &'a [u8],
     segment: u64,
     at: usize,
     link: Option<u32>,
+    sealed: Option<u64>,
 }
 
 impl<'a> Walk<'a> {
@@ -890,6 +907,7 @@ impl<'a> Walk<'a> {
             segment,
             at: 0,
             link,
+            sealed: None,
         }
     }
 
@@ -905,7 +923,12 @@ impl<'a> Iterator for Walk<'a> {
 
     fn next(&mut self) -> Option<Entry<'a>> {
         let (len, crc, body) = Wal::read_at(self.bytes, self.at)?;
-        if Wal::crc(self.segment, self.link, body) != crc {
+        if self.sealed.is_some() || Wal::crc(self.segment, self.link, body) != crc {
+            return None;
+        }
+        if body[32] == SEALED {
+            self.sealed = Some(u64::from_le_bytes(body.get(33..41)?.try_into().ok()?));
+            self.at += 8 + len;
             return None;
         }
         let entry = Wal::read_entry(body)?;
@@ -1008,16 +1031,22 @@ impl Wal {
             .take_while(|n| present.binary_search(n).is_err())
             .last()
             .unwrap_or(missing);
+        Err(Wal::missing(path, missing, through))
+    }
+
+    /// The refusal of a log whose segments `missing` to `through` are not
+    /// there.
+    fn missing(path: &Path, missing: u64, through: u64) -> String {
         let named = |n| Wal::segment_path(path, n).display().to_string();
         let which = if through == missing {
             format!("the log segment {} is missing", named(missing))
         } else {
             format!("the log segments {} to {} are missing", named(missing), named(through))
         };
-        Err(format!(
+        format!(
             "{which}, and with them the records they held (retries of their requests would run \
              again): restore them, or create them empty (touch each) to go on without them"
-        ))
+        )
     }
 
     /// Makes segment `n` from a spare, or from a new zero-filled file, and
@@ -1181,24 +1210,28 @@ impl Wal {
         Walk::new(bytes, segment, chained.then_some(0))
     }
 
-    /// The entries of segment `segment` to replay, in order, and the
-    /// damaged entries met, each by its offset and whether it was read
-    /// whole all the same (see [`Wal::damage_at`]): past one so repaired,
-    /// replay goes on; at one that is not, it stops, as at a torn end.
-    fn replayable(bytes: &[u8], segment: u64, chained: bool) -> (Vec<Entry<'_>>, Vec<(usize, bool)>) {
+    /// The entries of segment `segment` to replay, in order, the damaged
+    /// entries met, each by its offset and whether it was read whole all
+    /// the same (see [`Wal::damage_at`]): past one so repaired, replay
+    /// goes on; at one that is not, it stops, as at a torn end. And the
+    /// segment it was sealed for, if it was.
+    fn replayable(bytes: &[u8], segment: u64, chained: bool) -> (Vec<Entry<'_>>, Vec<(usize, bool)>, Option<u64>) {
         let (mut entries, mut damaged) = (Vec::new(), Vec::new());
         let mut walk = Walk::new(bytes, segment, chained.then_some(0));
         loop {
             entries.extend(&mut walk);
+            if walk.sealed.is_some() {
+                return (entries, damaged, walk.sealed);
+            }
             let Some(damage) = Wal::damage_at(bytes, walk.at, segment, walk.link) else {
-                return (entries, damaged);
+                return (entries, damaged, None);
             };
             let repaired = damage
                 .repaired
                 .and_then(|r| Some((Wal::read_entry(&bytes[r.body.clone()])?, r)));
             damaged.push((damage.at, repaired.is_some()));
             let Some((entry, repaired)) = repaired else {
-                return (entries, damaged);
+                return (entries, damaged, None);
             };
             entries.push(entry);
             walk.resume(repaired.resume, repaired.link);
@@ -1396,11 +1429,8 @@ impl Writer {
     fn apply(&mut self, batch: Vec<Op>) {
         // Batches go on into this segment, past its end, until one is made
         // (none once the store has failed: nothing more is logged).
-        if self.wal.offset + SEGMENT_HEADROOM > SEGMENT_BYTES
-            && self.shared.failed.get().is_none()
-            && let Some(next) = self.next_segment()
-        {
-            self.wal = next;
+        if self.wal.offset + SEGMENT_HEADROOM > SEGMENT_BYTES && self.shared.failed.get().is_none() {
+            self.roll();
         }
         let now = self.shared.clock.now();
         let mut changes = Batch {
@@ -1422,7 +1452,7 @@ impl Writer {
             self.wal.append(&log, link).map_err(|error| {
                 // After a failed write or sync the segment's tail is
                 // unknown. What was acknowledged is in the log before it.
-                let failure = format!("a write to the embedded store's log failed ({error}); restart to recover");
+                let failure = log_write_failed(&error);
                 self.shared.fail(failure.clone());
                 StoreError::Unavailable(failure.into())
             })
@@ -1457,6 +1487,26 @@ impl Writer {
                 }
             }
         }
+    }
+
+    /// Moves the log on to the segment after this one, if one can be made,
+    /// once this one is sealed with an entry that names it (see
+    /// [`SEALED`]). A seal that cannot be written fails the store, as any
+    /// failed write to the log does; the log stays where it is.
+    fn roll(&mut self) -> bool {
+        let Some(next) = self.next_segment() else {
+            return false;
+        };
+        let mut seal = Vec::with_capacity(8 + 33 + 8);
+        let mut link = self.wal.link;
+        let at = (self.wal.segment, &mut link);
+        Wal::entry(&mut seal, at, &[0; 32], SEALED, &[&next.segment.to_le_bytes()]);
+        if let Err(error) = self.wal.append(&seal, link) {
+            self.shared.fail(log_write_failed(&error));
+            return false;
+        }
+        self.wal = next;
+        true
     }
 
     /// The segment after this one, unless making one failed within the
@@ -1519,11 +1569,10 @@ impl Writer {
         // holds changes until this thread, its only writer, takes it again,
         // and only this thread fills `frozen`, which is empty.
         drop(overlay);
-        let Some(next) = self.next_segment() else {
+        if !self.roll() {
             return;
-        };
-        let covered_below = next.segment;
-        self.wal = next;
+        }
+        let covered_below = self.wal.segment;
         let mut overlay = lock(&self.shared.overlay);
         overlay.frozen = Arc::new(std::mem::take(&mut overlay.active));
         overlay.active_bytes = 0;
@@ -1538,6 +1587,11 @@ impl Writer {
                 .fail("the embedded store's checkpoint thread has stopped; restart to recover".into());
         }
     }
+}
+
+/// The store's failure once a write or sync of its log failed.
+fn log_write_failed(error: &std::io::Error) -> String {
+    format!("a write to the embedded store's log failed ({error}); restart to recover")
 }
 
 fn copy_error(error: &StoreError) -> StoreError {
@@ -1996,6 +2050,19 @@ mod tests {
         assert!(matches!(store.ping().await, Err(StoreError::Unavailable(_))));
     }
 
+    /// A seal ends a segment's entries and names the next segment;
+    /// nothing after it is read.
+    #[test]
+    fn a_sealed_segment_names_the_next() {
+        let (mut log, mut link) = (Vec::new(), 0);
+        Wal::encode(&mut log, (7, &mut link), &[1; 32], Some(b"kept"));
+        Wal::entry(&mut log, (7, &mut link), &[0; 32], SEALED, &[&8u64.to_le_bytes()]);
+        Wal::encode(&mut log, (7, &mut link), &[2; 32], Some(b"after"));
+        let (replayed, damaged, sealed) = Wal::replayable(&log, 7, true);
+        assert_eq!(replayed, vec![(&[1; 32], Some(&b"kept"[..]))]);
+        assert_eq!((damaged, sealed), (vec![], Some(8)));
+    }
+
     #[test]
     fn log_entries_round_trip_and_stop_at_a_torn_stale_or_damaged_one() {
         let (mut log, mut link) = (Vec::new(), 0);
@@ -2037,7 +2104,7 @@ mod tests {
         // Nor when replay looks past damage: the earlier life's next entry
         // chains from the one before it, as after a flipped bit, and so
         // stops replay rather than being replayed.
-        let (replayed, damaged) = Wal::replayable(&later, 7, true);
+        let (replayed, damaged, _) = Wal::replayable(&later, 7, true);
         assert_eq!(replayed, vec![(&[9; 32], Some(&b"later"[..]))]);
         assert_eq!(damaged, vec![(first, false)]);
     }
@@ -2065,19 +2132,19 @@ mod tests {
             }
             let whole = log.clone();
             log.extend_from_slice(&[0; 64]);
-            let (replayed, damaged) = Wal::replayable(&log, 5, chained);
+            let (replayed, damaged, _) = Wal::replayable(&log, 5, chained);
             assert_eq!((keys(replayed), damaged), (vec![0, 1, 2, 3], vec![]), "a zeroed tail");
             // A torn last entry, then zeros or an older life's bytes.
             let mut torn = whole[..starts[3] + 20].to_vec();
             torn.extend_from_slice(&[0; 64]);
-            let (replayed, damaged) = Wal::replayable(&torn, 5, chained);
+            let (replayed, damaged, _) = Wal::replayable(&torn, 5, chained);
             assert_eq!((keys(replayed), damaged), (vec![0, 1, 2], vec![]), "a torn tail");
-            let (replayed, damaged) = Wal::replayable(&whole, 6, chained);
+            let (replayed, damaged, _) = Wal::replayable(&whole, 6, chained);
             assert_eq!((replayed.len(), damaged), (0, vec![]), "another segment's entries");
             // The last entry's length: as good as torn.
             let mut last = whole.clone();
             last[starts[3]] ^= 1;
-            let (replayed, damaged) = Wal::replayable(&last, 5, chained);
+            let (replayed, damaged, _) = Wal::replayable(&last, 5, chained);
             assert_eq!(
                 (keys(replayed), damaged),
                 (vec![0, 1, 2], vec![]),
@@ -2113,7 +2180,7 @@ mod tests {
                     flipped[at] ^= flip;
                 }
                 flipped.extend_from_slice(&[0; 64]);
-                let (replayed, damaged) = Wal::replayable(&flipped, 5, chained);
+                let (replayed, damaged, _) = Wal::replayable(&flipped, 5, chained);
                 assert_eq!((keys(replayed), damaged), expected, "chained {chained}, {flips:?}");
             }
         }
@@ -2294,6 +2361,63 @@ mod tests {
             fs::remove_file(segment).unwrap();
         }
         assert!(EmbeddedStore::open(&path).is_ok());
+    }
+
+    /// The newest segment, made since the last checkpoint landed, is not
+    /// yet recorded as made in the file; the segment before it, sealed
+    /// when the log moved on, says it was. Lost (a crash while a
+    /// checkpoint hangs, then the segment deleted), it is refused by name
+    /// as any other missing segment: opened over, the claim it held would
+    /// be claimed again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_newest_segment_missing_is_refused_before_a_checkpoint_records_it() {
+        let dir = scratch();
+        let path = dir.path().join("n.redb");
+        let (fingerprint, lease) = (Fingerprint([1; 32]), Duration::from_secs(30));
+        let (first, second) = (RecordKey([50; 32]), RecordKey([51; 32]));
+        let store = EmbeddedStore::open(&path).unwrap();
+        // Checkpoints hang on this transaction: none lands from here on.
+        let blocker = store.shared.db.begin_write().unwrap();
+        let claim = store.claim(&first, &fingerprint, Owner::new(), lease, None);
+        assert_eq!(claim.await.unwrap(), Claim::Claimed);
+        let before = Wal::segments(&path).unwrap();
+        // A checkpoint falls due: the log moves on to a new segment.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Wal::segments(&path).unwrap().len() == before.len() {
+            assert!(Instant::now() < deadline, "the log never moved on");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let claim = store.claim(&second, &fingerprint, Owner::new(), lease, None);
+        assert_eq!(claim.await.unwrap(), Claim::Claimed);
+        // What a crash now leaves on disk: the file as of its last commit
+        // (the blocker holds off any other) and the log.
+        let crashed = dir.path().join("crashed");
+        fs::create_dir(&crashed).unwrap();
+        let copy = crashed.join("n.redb");
+        fs::copy(&path, &copy).unwrap();
+        let segments = Wal::segments(&path).unwrap();
+        for (n, segment) in &segments {
+            fs::copy(segment, Wal::segment_path(&copy, *n)).unwrap();
+        }
+        drop(blocker);
+        drop(store);
+        let (newest, _) = segments.last().unwrap();
+        let newest = Wal::segment_path(&copy, *newest);
+        let saved = fs::read(&newest).unwrap();
+        fs::remove_file(&newest).unwrap();
+        let refused = match EmbeddedStore::open(&copy) {
+            Ok(_) => panic!("opened without {}", newest.display()),
+            Err(error) => crate::telemetry::error_chain(&error),
+        };
+        let name = newest.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(refused.contains(&name) && refused.contains("touch"), "{refused}");
+        // Restored, it is replayed: both claims stand.
+        fs::write(&newest, saved).unwrap();
+        let store = reopen(&copy);
+        for key in [&first, &second] {
+            let claim = store.claim(key, &fingerprint, Owner::new(), lease, None);
+            assert!(matches!(claim.await.unwrap(), Claim::InFlight { .. }));
+        }
     }
 
     /// A log segment that records may be in, missing (deleted, or a
