@@ -517,8 +517,11 @@ on_upstream_failure = "release"
 /// request is still being written: its answer stands, and is recorded.
 #[tokio::test]
 async fn an_answer_sent_before_the_body_was_read_stands() {
-    let (proxy, requests) =
-        answering_early(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 9\r\n\r\ntoo large").await;
+    let (proxy, requests) = answering_early(
+        b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 9\r\n\r\ntoo large",
+        false,
+    )
+    .await;
     let client = TestClient::default();
     // Far more than the sockets between them hold, so the write is still
     // going when the reset comes.
@@ -537,7 +540,7 @@ async fn an_answer_sent_before_the_body_was_read_stands() {
 /// kept as an unknown outcome, not released to run again.
 #[tokio::test]
 async fn an_early_answer_cut_off_after_its_status_keeps_its_key() {
-    let (proxy, requests) = answering_early(b"HTTP/1.1 201 Created\r\nlocation: /uploads/1\r\n").await;
+    let (proxy, requests) = answering_early(b"HTTP/1.1 201 Created\r\nlocation: /uploads/1\r\n", false).await;
     let client = TestClient::default();
     let big = "x".repeat(16 << 20);
     for _ in 0..2 {
@@ -548,11 +551,88 @@ async fn an_early_answer_cut_off_after_its_status_keeps_its_key() {
     assert_eq!(requests.load(Ordering::SeqCst), 1);
 }
 
+/// An upstream that answers an upload (here a 201) once it has the
+/// request's head, then neither reads the body nor closes: the write
+/// would wait out upstream.timeout, and with `release` a retry would run
+/// again. The answer is read as it comes, and stands.
+#[tokio::test]
+async fn an_answer_sent_before_the_body_was_read_stands_while_the_upstream_holds_on() {
+    let answer = b"HTTP/1.1 201 Created\r\nlocation: /uploads/3\r\ncontent-length: 7\r\n\r\ncreated";
+    let (proxy, requests) = answering_early(answer, true).await;
+    let client = TestClient::default();
+    let big = "x".repeat(16 << 20);
+    // Well inside upstream.timeout (30s by default): not waited out.
+    let first = tokio::time::timeout(Duration::from_secs(10), client.post(&proxy.url("/upload"), "u3", &big))
+        .await
+        .expect("the early answer was not read while the body was being written");
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    assert_eq!(first.text(), "created");
+    let again = client.post(&proxy.url("/upload"), "u3", &big).await;
+    assert!(again.replayed());
+    assert_eq!(
+        (again.status, again.text()),
+        (StatusCode::CREATED, "created".to_owned())
+    );
+    assert_eq!(requests.load(Ordering::SeqCst), 1);
+}
+
+/// An interim answer (`100 Continue`) sent as the upload begins is no
+/// early answer: the body goes on whole, and the final answer after it
+/// is the one given.
+#[tokio::test]
+async fn an_interim_answer_during_an_upload_lets_the_body_go_on() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut read = Vec::new();
+        let end = loop {
+            if let Some(end) = read.windows(4).position(|w| w == b"\r\n\r\n") {
+                break end + 4;
+            }
+            let mut chunk = [0u8; 4096];
+            let n = socket.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "closed before the head");
+            read.extend_from_slice(&chunk[..n]);
+        };
+        socket.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await.unwrap();
+        let head = String::from_utf8_lossy(&read[..end]).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|line| line.strip_prefix("content-length: "))
+            .and_then(|n| n.trim().parse().ok())
+            .expect("a content-length");
+        let mut body = read.len() - end;
+        while body < length {
+            let mut chunk = vec![0u8; 64 * 1024];
+            let n = socket.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "closed with {body} of {length} bytes read");
+            body += n;
+        }
+        let answer = format!(
+            "HTTP/1.1 201 Created\r\ncontent-length: {}\r\n\r\n{body}",
+            body.to_string().len()
+        );
+        socket.write_all(answer.as_bytes()).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    });
+    let proxy = Proxy::start(
+        &url,
+        "[server]\nmax_request_body = \"32MiB\"\n[[route]]\nname = \"upload\"\npath = \"/upload\"\n",
+    )
+    .await;
+    let big = "x".repeat(16 << 20);
+    let answer = TestClient::default().post(&proxy.url("/upload"), "u4", &big).await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text());
+    assert_eq!(answer.text(), (16 << 20).to_string());
+}
+
 /// A proxy with an `upload` route (`on_upstream_failure = "release"`) in
 /// front of an upstream that sends `answer` once it has a request's head,
-/// then closes with the body unread, which resets the connection while
-/// the request is still being written; with how many requests it took.
-async fn answering_early(answer: &'static [u8]) -> (Proxy, Arc<AtomicUsize>) {
+/// then (unless it holds on, reading nothing, for a minute) closes with
+/// the body unread, which resets the connection while the request is
+/// still being written; with how many requests it took.
+async fn answering_early(answer: &'static [u8], holds_on: bool) -> (Proxy, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let requests = Arc::new(AtomicUsize::new(0));
@@ -571,6 +651,9 @@ async fn answering_early(answer: &'static [u8]) -> (Proxy, Arc<AtomicUsize>) {
                     }
                 }
                 let _ = socket.write_all(answer).await;
+                if holds_on {
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                }
                 // Dropped with the body unread: the kernel resets the connection.
             });
         }

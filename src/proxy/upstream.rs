@@ -332,6 +332,71 @@ impl Conn {
         self.make_room();
         self.stream.read_buf(&mut self.buf).await
     }
+
+    /// Writes part of a request's body whole, unless the upstream answers
+    /// first: an upstream may answer before it has read the body (a 413,
+    /// a 401, or a 201 to an upload it takes no further) and then neither
+    /// read nor close, and a write waiting on it would wait out
+    /// `upstream.timeout` with the answer unread. So what the upstream
+    /// sends meanwhile is read into the buffer; a final answer's status
+    /// line (or its end of the connection) fails the write, and
+    /// [`early_answer`] reads the answer. An interim answer (`100
+    /// Continue`) does not: the body goes on, and the answer is read from
+    /// the buffer after it.
+    async fn write_body(&mut self, mut data: &[u8]) -> io::Result<()> {
+        let mut watching = true;
+        std::future::poll_fn(|cx| {
+            loop {
+                if watching {
+                    match self.poll_answer(cx) {
+                        Poll::Ready(true) => {
+                            let early = "the upstream answered before the request's body was sent whole";
+                            return Poll::Ready(Err(io::Error::other(early)));
+                        }
+                        Poll::Ready(false) => watching = false,
+                        Poll::Pending => {}
+                    }
+                }
+                if data.is_empty() {
+                    return Poll::Ready(Ok(()));
+                }
+                match ready!(Pin::new(&mut self.stream).poll_write(cx, data)) {
+                    Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                    Ok(n) => data = &data[n..],
+                    Err(error) => return Poll::Ready(Err(error)),
+                }
+            }
+        })
+        .await
+    }
+
+    /// Reads what the upstream has sent, if anything: `Ready(true)` once
+    /// it is the start of a final answer (or not an answer at all, or the
+    /// connection's end, which reading the head will report), `Ready(false)`
+    /// for an interim one, `Pending` while nothing or too little came.
+    fn poll_answer(&mut self, cx: &mut Context<'_>) -> Poll<bool> {
+        loop {
+            self.make_room();
+            match ready!(tokio_util::io::poll_read_buf(
+                Pin::new(&mut self.stream),
+                cx,
+                &mut self.buf
+            )) {
+                Ok(0) | Err(_) => return Poll::Ready(true),
+                Ok(_) => {}
+            }
+            // Empty lines before a head are skipped, as reading it does.
+            let start = self.buf.iter().position(|b| !matches!(b, b'\r' | b'\n'));
+            let line = &self.buf[start.unwrap_or(self.buf.len())..];
+            match status_line(line) {
+                Some(status) => return Poll::Ready(!status.is_informational()),
+                // Too short yet to say (a status line's first 12 bytes
+                // say it): more is read.
+                None if line.len() < 12 && line.iter().zip(b"HTTP/1.x ").all(|(a, b)| a == b || *b == b'x') => {}
+                None => return Poll::Ready(true),
+            }
+        }
+    }
 }
 
 /// What to do when a request sent on a pooled connection finds it closed:
@@ -631,7 +696,7 @@ async fn write_request(
                 return Err(WriteFailure::Unsent(error, ClientBody::Whole(bytes)));
             }
             if !coalesced {
-                conn.stream.write_all(whole).await?;
+                conn.write_body(whole).await?;
             }
             reuse_head(head);
         }
@@ -655,9 +720,9 @@ async fn write_request(
                     chunk.extend_from_slice(b"\r\n");
                     chunk.extend_from_slice(&data);
                     chunk.extend_from_slice(b"\r\n");
-                    conn.stream.write_all(&chunk).await?;
+                    conn.write_body(&chunk).await?;
                 } else {
-                    conn.stream.write_all(&data).await?;
+                    conn.write_body(&data).await?;
                 }
             }
             if length.is_none() {
