@@ -346,6 +346,8 @@ pub struct Noted {
     pub keep_alive: bool,
     /// Another token in `Connection`: a header to drop at this hop.
     pub connection_names: bool,
+    /// `Cookie` lines.
+    pub cookies: usize,
 }
 
 impl Noted {
@@ -380,6 +382,8 @@ impl Noted {
             self.transfer_encoding = true;
         } else if name == header::EXPECT {
             self.expect = true;
+        } else if name == header::COOKIE {
+            self.cookies += 1;
         }
     }
 

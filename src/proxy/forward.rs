@@ -105,8 +105,10 @@ fn authority_host(uri: &Uri) -> Option<HeaderValue> {
 /// Joins the `Cookie` fields an HTTP/2 client may send one per cookie into
 /// one, separated by "; ", as an HTTP/1.1 hop must see them (RFC 9113
 /// §8.2.3): many backends read only the first `Cookie` line, and would
-/// lose the session or CSRF cookie behind it.
-fn join_cookies(headers: &mut HeaderMap) {
+/// lose the session or CSRF cookie behind it. An HTTP/1.1 client that
+/// sends several lines has them joined too, so a route's `scope`, derived
+/// key and fingerprint see the same request either way.
+pub fn join_cookies(headers: &mut HeaderMap) {
     let Entry::Occupied(entry) = headers.entry(header::COOKIE) else {
         return;
     };

@@ -839,6 +839,11 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refusal> {
         wire::BadHeader::Value => bad("a header value is not valid"),
     })?;
     let (framing, keep_alive, expect_continue) = framing(&headers, &noted, version)?;
+    // Sent in several lines (RFC 6265 §5.4 says one), as HTTP/2 clients
+    // send them: one line, as for HTTP/2 (`h2_as_h1`).
+    if noted.cookies > 1 {
+        crate::proxy::forward::join_cookies(&mut headers);
+    }
     Ok(Some(Head {
         request: Parsed {
             method,
