@@ -475,6 +475,27 @@ fn store_paths_and_urls_are_checked_before_anything_is_bound() {
             "is not a Redis URL",
         ),
         ("backend = \"redis\"\nurl = \"\"", "store.url", "is empty"),
+        ("backend = \"redis\"\nkey_prefix = \"\"", "store.key_prefix", "is empty"),
+        (
+            "backend = \"redis\"\nkey_prefix = \"a{b}\"",
+            "store.key_prefix",
+            "may not hold '{'",
+        ),
+        (
+            "backend = \"redis\"\nkey_prefix = \"a b\"",
+            "store.key_prefix",
+            "may not hold ' '",
+        ),
+        (
+            "backend = \"redis\"\nkey_prefix = \"or*\"",
+            "store.key_prefix",
+            "may not hold '*'",
+        ),
+        (
+            "backend = \"redis\"\nkey_prefix = \"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"",
+            "store.key_prefix",
+            "is 65 bytes long: at most 64",
+        ),
         // Each a Redis URL, but not of one cluster: `serve` could not open it.
         (
             "backend = \"redis\"\nurls = [\"redis://:pw@127.0.0.1:7000\", \"redis://:other@127.0.0.1:7001\"]",
@@ -858,6 +879,7 @@ fn redis_fields_without_the_redis_backend_are_an_error() {
         ("url = \"redis://127.0.0.1:6379/0\"", "store.url"),
         ("urls = [\"redis://127.0.0.1:7000\"]", "store.urls"),
         ("backend = \"memory\"\nurl = \"redis://127.0.0.1:6379/0\"", "store.url"),
+        ("key_prefix = \"orders\"", "store.key_prefix"),
     ] {
         let error = Config::parse(&format!("{base}{store}\n"), "x.toml")
             .unwrap_err()

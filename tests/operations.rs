@@ -875,7 +875,7 @@ async fn a_redis_that_may_evict_keys_is_warned_about() {
     let evicting = support::redis::RedisServer::start_with_args(&["--maxmemory-policy", "allkeys-lru"]);
     let safe = support::redis::RedisServer::start();
     let _stores = [&evicting, &safe]
-        .map(|server| idemgate::store::RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap());
+        .map(|server| idemgate::store::RedisStore::single(&server.url(), "idemgate", Duration::from_secs(2)).unwrap());
     let warned = |port: u16| {
         let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
         text.lines()

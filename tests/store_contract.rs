@@ -536,12 +536,12 @@ macro_rules! contract {
 contract!(memory, (Arc::new(MemoryStore::new(1 << 20)) as Arc<dyn Store>, ()));
 contract!(redis, {
     let server = support::redis::RedisServer::start();
-    let store = RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap();
+    let store = RedisStore::single(&server.url(), "idemgate", Duration::from_secs(2)).unwrap();
     (Arc::new(store) as Arc<dyn Store>, server)
 });
 contract!(redis_cluster, {
     let cluster = support::redis::RedisCluster::start();
-    let store = RedisStore::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
+    let store = RedisStore::cluster(&cluster.urls(), "idemgate", Duration::from_secs(2)).unwrap();
     (Arc::new(store) as Arc<dyn Store>, cluster)
 });
 contract!(embedded, {
@@ -664,12 +664,67 @@ async fn embedded_sweeps_expired_records_from_the_file() {
     }
 }
 
+/// Two deployments on one Redis under different `store.key_prefix`es
+/// share no record: the same record key is claimed, completed and
+/// replayed in each apart, under `<prefix>:{...}`; and a Redis user whose
+/// keys are limited to its prefix (`~orders:*`) runs the store, the
+/// readiness probe included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_deployments_under_different_key_prefixes_share_nothing() {
+    let server = support::redis::RedisServer::start();
+    server
+        .cli(&[
+            "acl",
+            "setuser",
+            "orders",
+            "on",
+            ">pw",
+            "~orders:*",
+            "&idemgate:done",
+            "+@all",
+        ])
+        .unwrap();
+    let limited = server.url().replace("redis://", "redis://orders:pw@");
+    let orders = RedisStore::single(&limited, "orders", Duration::from_secs(2)).unwrap();
+    let billing = RedisStore::single(&server.url(), "billing", Duration::from_secs(2)).unwrap();
+    orders.ping().await.unwrap();
+    let k = key();
+    for (store, body) in [(&orders, "orders"), (&billing, "billing")] {
+        let owner = Owner::new();
+        assert_eq!(store.claim(&k, &A, owner, LONG, None).await.unwrap(), Claim::Claimed);
+        assert!(store.complete(&k, &A, owner, response(body), LONG).await.unwrap());
+    }
+    for (store, body) in [(&orders, "orders"), (&billing, "billing")] {
+        let replay = store.claim(&k, &A, Owner::new(), LONG, None).await.unwrap();
+        assert_eq!(
+            replay,
+            Claim::Completed {
+                fingerprint: A,
+                outcome: response(body)
+            }
+        );
+    }
+    let hex: String = k.0.iter().map(|b| format!("{b:02x}")).collect();
+    let mut keys: Vec<String> = server
+        .cli(&["--raw", "keys", "*"])
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .filter(|name| name.ends_with(&format!("{{{hex}}}")))
+        .collect();
+    keys.sort();
+    assert_eq!(keys, [format!("billing:{{{hex}}}"), format!("orders:{{{hex}}}")]);
+    // Its user may not touch another prefix's keys.
+    let outside = RedisStore::single(&limited, "idemgate", Duration::from_secs(2)).unwrap();
+    assert!(outside.claim(&key(), &A, Owner::new(), LONG, None).await.is_err());
+}
+
 /// Completions nobody waits on cost Redis no PUBLISH; a waited-on one does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_announces_only_records_someone_waits_on() {
     use futures_util::StreamExt;
     let server = support::redis::RedisServer::start();
-    let store = Arc::new(RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap());
+    let store = Arc::new(RedisStore::single(&server.url(), "idemgate", Duration::from_secs(2)).unwrap());
     let mut pubsub = ::redis::Client::open(server.url())
         .unwrap()
         .get_async_pubsub()
@@ -718,7 +773,7 @@ async fn redis_announces_only_records_someone_waits_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_that_hangs_costs_a_waiter_no_more_than_the_deadline() {
     let server = support::redis::RedisServer::start();
-    let redis = Arc::new(RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap());
+    let redis = Arc::new(RedisStore::single(&server.url(), "idemgate", Duration::from_secs(2)).unwrap());
     let store = StoreHandle::new(redis, Duration::from_millis(500));
     let (k, owner) = (key(), Owner::new());
     store.claim(&k, &A, owner, LONG, None).await.unwrap();
@@ -738,7 +793,7 @@ async fn a_redis_that_hangs_costs_a_waiter_no_more_than_the_deadline() {
 #[tokio::test]
 async fn redis_completions_made_together_go_in_one_call_each_owner_checked() {
     let server = support::redis::RedisServer::start();
-    let store = RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap();
+    let store = RedisStore::single(&server.url(), "idemgate", Duration::from_secs(2)).unwrap();
     let claims: Vec<_> = (0..8).map(|_| (key(), Owner::new())).collect();
     for (k, owner) in &claims {
         store.claim(k, &A, *owner, LONG, None).await.unwrap();
@@ -812,7 +867,7 @@ async fn redis_completions_made_together_go_in_one_call_each_owner_checked() {
 #[tokio::test]
 async fn redis_in_cluster_mode_behind_one_url_completes_a_batch_one_by_one() {
     let server = support::redis::RedisServer::start_one_shard_cluster();
-    let store = RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap();
+    let store = RedisStore::single(&server.url(), "idemgate", Duration::from_secs(2)).unwrap();
     for round in 0..2 {
         let claims: Vec<_> = (0..4).map(|_| (key(), Owner::new())).collect();
         for (k, owner) in &claims {
@@ -846,7 +901,7 @@ async fn redis_in_cluster_mode_behind_one_url_completes_a_batch_one_by_one() {
 async fn redis_cluster_scripts_reach_a_node_without_them_while_another_is_down() {
     let mut cluster = support::redis::RedisCluster::start_with_args(&["--cluster-require-full-coverage", "no"]);
     cluster.nodes[0].kill();
-    let store = RedisStore::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
+    let store = RedisStore::cluster(&cluster.urls(), "idemgate", Duration::from_secs(2)).unwrap();
     // A key of a live node: a claim of one on the dead node fails.
     let mut claimed = None;
     for _ in 0..30 {
@@ -869,7 +924,7 @@ async fn redis_cluster_scripts_reach_a_node_without_them_while_another_is_down()
 #[tokio::test]
 async fn redis_refusing_one_completion_of_a_batch_fails_it_alone() {
     let server = support::redis::RedisServer::start();
-    let store = RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap();
+    let store = RedisStore::single(&server.url(), "idemgate", Duration::from_secs(2)).unwrap();
     let (good, bad) = ((key(), Owner::new()), (key(), Owner::new()));
     for (k, owner) in [&good, &bad] {
         store.claim(k, &A, *owner, LONG, None).await.unwrap();
@@ -898,7 +953,7 @@ async fn redis_connections_log_in_and_select_the_urls_database() {
     let server =
         support::redis::RedisServer::start_with_args(&["--user", "gate", "on", ">s3cret", "~*", "&*", "+@all"]);
     let url = format!("redis://gate:s3cret@127.0.0.1:{}/3", server.port);
-    let store = RedisStore::single(&url, Duration::from_secs(2)).unwrap();
+    let store = RedisStore::single(&url, "idemgate", Duration::from_secs(2)).unwrap();
     let (k, owner) = (key(), Owner::new());
     assert!(matches!(
         store.claim(&k, &A, owner, LONG, None).await.unwrap(),
@@ -909,7 +964,7 @@ async fn redis_connections_log_in_and_select_the_urls_database() {
     assert_eq!(server.cli(&["-n", "0", "dbsize"]).unwrap().trim(), "0");
 
     let wrong = format!("redis://gate:wrong@127.0.0.1:{}/3", server.port);
-    let store = RedisStore::single(&wrong, Duration::from_secs(2)).unwrap();
+    let store = RedisStore::single(&wrong, "idemgate", Duration::from_secs(2)).unwrap();
     let started = Instant::now();
     let refused = store.claim(&key(), &A, Owner::new(), LONG, None).await;
     assert!(matches!(refused, Err(StoreError::NotSent(_))), "{refused:?}");
@@ -932,7 +987,7 @@ async fn redis_turning_a_connection_away_leaves_the_native_claim_in_use() {
     only.read_exact(&mut pong).unwrap();
     assert_eq!(&pong, b"+PONG\r\n");
 
-    let store = RedisStore::single(&server.url(), Duration::from_secs(2)).unwrap();
+    let store = RedisStore::single(&server.url(), "idemgate", Duration::from_secs(2)).unwrap();
     let refused = store.claim(&key(), &A, Owner::new(), LONG, None).await;
     assert!(matches!(refused, Err(StoreError::NotSent(_))), "{refused:?}");
     drop(only);
@@ -975,7 +1030,7 @@ async fn redis_turning_a_connection_away_leaves_the_native_claim_in_use() {
 #[tokio::test]
 async fn redis_gives_each_of_many_large_commands_in_flight_its_own_answer() {
     let server = support::redis::RedisServer::start();
-    let store = RedisStore::single(&server.url(), Duration::from_secs(5)).unwrap();
+    let store = RedisStore::single(&server.url(), "idemgate", Duration::from_secs(5)).unwrap();
     let records: Vec<(RecordKey, Owner, Bytes)> = (0..48)
         .map(|i| {
             (

@@ -221,7 +221,7 @@ async fn a_waiter_on_one_replica_is_woken_by_the_other_on_a_cluster() {
     let cluster = RedisCluster::start();
     let store = || {
         StoreHandle::new(
-            Arc::new(RedisStore::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap()),
+            Arc::new(RedisStore::cluster(&cluster.urls(), "idemgate", Duration::from_secs(2)).unwrap()),
             Duration::from_secs(2),
         )
     };
@@ -699,7 +699,7 @@ async fn an_unreachable_cluster_is_not_tried_again_at_once() {
     use idemgate::store::{Fingerprint, Owner, RecordKey, StoreError};
     let down = support::unreachable_url().replace("http://", "redis://");
     let store = StoreHandle::new(
-        Arc::new(RedisStore::cluster(&[down], Duration::from_secs(1)).unwrap()),
+        Arc::new(RedisStore::cluster(&[down], "idemgate", Duration::from_secs(1)).unwrap()),
         Duration::from_secs(1),
     );
     let claim = || async {

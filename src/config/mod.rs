@@ -67,7 +67,14 @@ pub struct StoreConfig {
     pub on_error: OnStoreError,
     /// Deadline of one store operation.
     pub timeout: Duration,
+    /// Redis: what every record's key begins with, `<key_prefix>:{...}`,
+    /// so deployments in front of different services can share a Redis
+    /// (a Redis Cluster has one database).
+    pub key_prefix: String,
 }
+
+/// The longest `store.key_prefix`.
+pub const MAX_KEY_PREFIX: usize = 64;
 
 #[derive(Clone, PartialEq, Eq)]
 pub enum StoreBackend {
@@ -537,10 +544,14 @@ pub fn describe(config: &Config) -> String {
     let store = match &config.store.backend {
         StoreBackend::Memory { max_memory } => format!("memory (max_memory {})", size(*max_memory)),
         StoreBackend::Embedded { path } => format!("embedded (path {})", path.display()),
-        StoreBackend::Redis { url } => format!("redis (url {})", masked(url)),
+        StoreBackend::Redis { url } => format!("redis (url {}, key_prefix {})", masked(url), config.store.key_prefix),
         StoreBackend::RedisCluster { urls } => {
             let urls: Vec<String> = urls.iter().map(|u| masked(u)).collect();
-            format!("redis cluster (urls {})", urls.join(", "))
+            format!(
+                "redis cluster (urls {}, key_prefix {})",
+                urls.join(", "),
+                config.store.key_prefix
+            )
         }
     };
     let _ = writeln!(

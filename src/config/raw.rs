@@ -63,6 +63,7 @@ pub struct RawStore {
     pub max_memory: Option<RawSize>,
     pub on_error: Option<String>,
     pub timeout: Option<String>,
+    pub key_prefix: Option<String>,
 }
 
 /// A size: a plain integer of bytes or a string such as `"64KiB"`.

@@ -571,7 +571,12 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
     // of its own. (`path` and `max_memory` may stay beside another
     // backend, as SPEC's own sample has them.)
     let defaulted = if st.backend.is_none() { " (the default)" } else { "" };
-    for (field, set) in [("store.url", st.url.is_some()), ("store.urls", st.urls.is_some())] {
+    let redis_fields = [
+        ("store.url", st.url.is_some()),
+        ("store.urls", st.urls.is_some()),
+        ("store.key_prefix", st.key_prefix.is_some()),
+    ];
+    for (field, set) in redis_fields {
         if set && matches!(backend_name, "memory" | "embedded") {
             c.problem(
                 field,
@@ -606,10 +611,17 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         }
         _ => {}
     }
+    let key_prefix = c.field(
+        "store.key_prefix",
+        st.key_prefix.as_ref(),
+        "idemgate".to_owned(),
+        |prefix| key_prefix(prefix),
+    );
     let store = StoreConfig {
         backend,
         on_error: c.choice("store.on_error", st.on_error.as_ref(), OnStoreError::Reject),
         timeout: c.positive_duration("store.timeout", st.timeout.as_ref(), Duration::from_secs(1)),
+        key_prefix,
     };
 
     let defaults = policy(&mut c, &raw.defaults, &builtin_policy(), "defaults");
@@ -721,6 +733,28 @@ fn route_host(raw: &str) -> Result<String, String> {
 }
 
 /// A problem on `field` unless `url` is a Redis URL the client can use.
+/// A `store.key_prefix`: what Redis key patterns and `SCAN MATCH` take
+/// as written (visible ASCII; no glob characters, which a user's key
+/// pattern `~<prefix>:*` would read as such; no braces, which would move
+/// the hash tag that keeps a record in one slot).
+fn key_prefix(prefix: &str) -> Result<String, String> {
+    if prefix.is_empty() {
+        return Err("is empty: give a name, e.g. key_prefix = \"orders\"".into());
+    }
+    if prefix.len() > MAX_KEY_PREFIX {
+        return Err(format!("is {} bytes long: at most {MAX_KEY_PREFIX}", prefix.len()));
+    }
+    if let Some(bad) = prefix
+        .chars()
+        .find(|c| !c.is_ascii_graphic() || matches!(c, '{' | '}' | '*' | '?' | '[' | ']' | '\\'))
+    {
+        return Err(format!(
+            "may not hold {bad:?}: letters, digits and punctuation but for {{ }} * ? [ ] \\ only"
+        ));
+    }
+    Ok(prefix.to_owned())
+}
+
 fn redis_url(c: &mut Checker, field: &str, url: &str) {
     use redis::IntoConnectionInfo;
     if let Err(error) = url.into_connection_info() {

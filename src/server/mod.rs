@@ -158,6 +158,7 @@ impl Reloader {
             ("server.workers", config.server.workers != before.server.workers),
             (store_changed.unwrap_or("store.backend"), store_changed.is_some()),
             ("store.timeout", config.store.timeout != before.store.timeout),
+            ("store.key_prefix", config.store.key_prefix != before.store.key_prefix),
         ];
         let waiting = restart_only
             .iter()
@@ -178,6 +179,7 @@ impl Reloader {
         config.server.workers = before.server.workers;
         config.store.backend = before.store.backend.clone();
         config.store.timeout = before.store.timeout;
+        config.store.key_prefix = before.store.key_prefix.clone();
         let gateway = Gateway::with_client(
             Arc::new(config),
             old.store().clone(),

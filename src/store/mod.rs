@@ -535,20 +535,18 @@ impl StoreHandle {
                     source,
                 })?)
             }
-            StoreBackend::Redis { url } => {
-                Arc::new(
-                    RedisStore::single(url, config.timeout).map_err(|source| OpenError::Redis {
-                        field: "store.url",
-                        source,
-                    })?,
-                )
-            }
-            StoreBackend::RedisCluster { urls } => Arc::new(RedisStore::cluster(urls, config.timeout).map_err(
-                |source| OpenError::Redis {
+            StoreBackend::Redis { url } => Arc::new(
+                RedisStore::single(url, &config.key_prefix, config.timeout).map_err(|source| OpenError::Redis {
+                    field: "store.url",
+                    source,
+                })?,
+            ),
+            StoreBackend::RedisCluster { urls } => Arc::new(
+                RedisStore::cluster(urls, &config.key_prefix, config.timeout).map_err(|source| OpenError::Redis {
                     field: "store.urls",
                     source,
-                },
-            )?),
+                })?,
+            ),
         };
         Ok(StoreHandle::new(store, config.timeout))
     }

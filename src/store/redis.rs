@@ -1,8 +1,9 @@
 //! The Redis store: one Redis server or a Redis Cluster, shared by any
 //! number of idemgate replicas.
 //!
-//! One Redis key per record, `idemgate:{<sha-256 hex>}`, hash-tagged so a
-//! record and everything the scripts touch live in one slot. The value is
+//! One Redis key per record, `<prefix>:{<sha-256 hex>}` (`store.key_prefix`,
+//! `idemgate` by default), hash-tagged so a record and everything the
+//! scripts touch live in one slot. The value is
 //! the [`codec`] record; Redis's own `PX` expiry is the lease or the TTL.
 //!
 //! Every operation is one round trip. A claim is `SET ... NX PX ... GET`
@@ -366,6 +367,7 @@ impl<T: Clone + Send> PerThread<T> {
 
 pub struct RedisStore {
     connection: Connection,
+    prefix: KeyPrefix,
     scripts: Scripts,
     waiters: Arc<Waiters>,
     /// Whether the completion subscription is live.
@@ -489,38 +491,55 @@ fn script_command(verb: &str, script: &str, keys: &[&[u8]], args: &[&[u8]]) -> r
     command
 }
 
-/// The Redis key of a record, `idemgate:{<sha-256 hex>}`, built without
+/// What a record's Redis key begins with: `<store.key_prefix>:{`.
+#[derive(Clone)]
+struct KeyPrefix(Arc<[u8]>);
+
+impl KeyPrefix {
+    /// For `store.key_prefix` `prefix`, which the configuration has checked
+    /// (at most [`crate::config::MAX_KEY_PREFIX`] bytes, no braces).
+    fn new(prefix: &str) -> KeyPrefix {
+        assert!(prefix.len() <= crate::config::MAX_KEY_PREFIX, "a checked key prefix");
+        KeyPrefix(format!("{prefix}:{{").into_bytes().into())
+    }
+
+    /// The record key a Redis key under this prefix names, if it is one.
+    fn record_key_of(&self, redis_key: &[u8]) -> Option<RecordKey> {
+        let hex = redis_key.strip_prefix(&*self.0)?.strip_suffix(b"}")?;
+        let mut key = [0u8; 32];
+        hex::decode_to_slice(hex, &mut key).ok()?;
+        Some(RecordKey(key))
+    }
+}
+
+/// The Redis key of a record, `<prefix>:{<sha-256 hex>}`, built without
 /// allocating.
-struct RedisKey([u8; RedisKey::LEN]);
+struct RedisKey {
+    buf: [u8; RedisKey::MAX],
+    len: usize,
+}
 
 impl RedisKey {
-    const PREFIX: &'static [u8] = b"idemgate:{";
-    const LEN: usize = RedisKey::PREFIX.len() + 64 + 1;
+    const MAX: usize = crate::config::MAX_KEY_PREFIX + 2 + 64 + 1;
 
-    fn of(key: &RecordKey) -> RedisKey {
-        let mut out = [0u8; RedisKey::LEN];
-        let (prefix, rest) = out.split_at_mut(RedisKey::PREFIX.len());
-        prefix.copy_from_slice(RedisKey::PREFIX);
-        hex::encode_to_slice(key.0, &mut rest[..64]).expect("64 hex digits for 32 bytes");
-        out[RedisKey::LEN - 1] = b'}';
-        RedisKey(out)
+    fn of(prefix: &KeyPrefix, key: &RecordKey) -> RedisKey {
+        let mut buf = [0u8; RedisKey::MAX];
+        let head = prefix.0.len();
+        buf[..head].copy_from_slice(&prefix.0);
+        hex::encode_to_slice(key.0, &mut buf[head..head + 64]).expect("64 hex digits for 32 bytes");
+        buf[head + 64] = b'}';
+        RedisKey { buf, len: head + 65 }
     }
 
     fn as_bytes(&self) -> &[u8] {
-        &self.0
+        &self.buf[..self.len]
     }
 }
 
-fn record_key_of(redis_key: &[u8]) -> Option<RecordKey> {
-    let hex = redis_key.strip_prefix(b"idemgate:{")?.strip_suffix(b"}")?;
-    let mut key = [0u8; 32];
-    hex::decode_to_slice(hex, &mut key).ok()?;
-    Some(RecordKey(key))
-}
-
 impl RedisStore {
-    /// One Redis server at `url`. Connects lazily and reconnects by itself.
-    pub fn single(url: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
+    /// One Redis server at `url`, its records' keys under `prefix`.
+    /// Connects lazily and reconnects by itself.
+    pub fn single(url: &str, prefix: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
         let client = open(url).map_err(unavailable)?;
         // Every call already has the store's deadline (`StoreHandle`, `wait`
         // included): a command has no timer of its own.
@@ -530,11 +549,12 @@ impl RedisStore {
             target: Arc::new(target),
             connections: PerThread::new(),
         };
-        Ok(RedisStore::new(connection, vec![client]))
+        Ok(RedisStore::new(connection, KeyPrefix::new(prefix), vec![client]))
     }
 
-    /// A Redis Cluster, found through any of `urls`.
-    pub fn cluster(urls: &[String], timeout: Duration) -> Result<RedisStore, StoreError> {
+    /// A Redis Cluster, found through any of `urls`, its records' keys
+    /// under `prefix`.
+    pub fn cluster(urls: &[String], prefix: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
         let client = redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
             .connection_timeout(timeout)
             .response_timeout(timeout)
@@ -552,17 +572,18 @@ impl RedisStore {
             client: Box::new(client),
             connections: PerThread::new(),
         };
-        Ok(RedisStore::new(connection, nodes))
+        Ok(RedisStore::new(connection, KeyPrefix::new(prefix), nodes))
     }
 
-    fn new(connection: Connection, subscribe_to: Vec<redis::Client>) -> RedisStore {
+    fn new(connection: Connection, prefix: KeyPrefix, subscribe_to: Vec<redis::Client>) -> RedisStore {
         let waiters = Arc::new(Waiters::default());
         let listening = Arc::new(AtomicBool::new(false));
         let eviction_check = tokio::spawn(warn_if_evicting(subscribe_to.clone()));
-        let subscriber = tokio::spawn(listen(subscribe_to, waiters.clone(), listening.clone()));
+        let subscriber = tokio::spawn(listen(subscribe_to, prefix.clone(), waiters.clone(), listening.clone()));
         let batches = matches!(connection, Connection::Single { .. }).then(PerThread::new);
         RedisStore {
             connection,
+            prefix,
             scripts: Scripts::new(),
             waiters,
             listening,
@@ -643,7 +664,10 @@ impl RedisStore {
     /// Runs the probe, [`PING`]: a write, by a script calling every
     /// command the scripts call. Once it runs, the scripts are known to.
     async fn probe(&self) -> Result<(), StoreError> {
-        self.eval::<i64>(&self.scripts.ping, b"idemgate:{ping}", &[]).await?;
+        // Under the records' prefix, which a Redis user's key patterns
+        // allow (`~<prefix>:*`).
+        let key = [&self.prefix.0[..], b"ping}"].concat();
+        self.eval::<i64>(&self.scripts.ping, &key, &[]).await?;
         if !self.scripts_run.load(Ordering::Relaxed) {
             self.scripts_run.store(true, Ordering::Relaxed);
         }
@@ -680,7 +704,7 @@ impl RedisStore {
     /// script to run. Servers before Redis 7 refuse NX with GET; then the
     /// claim script is used from there on.
     async fn claim_natively(&self, key: &RecordKey, claim: &[u8], lease: u64) -> Result<Option<Vec<u8>>, StoreError> {
-        let redis_key = RedisKey::of(key);
+        let redis_key = RedisKey::of(&self.prefix, key);
         // Sized for all of it, as in `script_command`.
         let data = "SET".len() + redis_key.as_bytes().len() + claim.len() + "NXPXGET".len() + 20;
         let mut command = redis::Cmd::with_capacity(7, data);
@@ -716,7 +740,7 @@ impl RedisStore {
         let (lease, refresh) = (lease.to_string(), refresh.to_string());
         self.eval(
             &self.scripts.claim,
-            RedisKey::of(key).as_bytes(),
+            RedisKey::of(&self.prefix, key).as_bytes(),
             &[claim, lease.as_bytes(), refresh.as_bytes()],
         )
         .await
@@ -754,7 +778,7 @@ impl RedisStore {
             Err(error) => return fail(batch, &cause(&error)),
         };
         let result: Result<Vec<i64>, RedisError> = {
-            let keys: Vec<RedisKey> = batch.iter().map(|c| RedisKey::of(&c.key)).collect();
+            let keys: Vec<RedisKey> = batch.iter().map(|c| RedisKey::of(&self.prefix, &c.key)).collect();
             let tokens: Vec<[u8; 16]> = batch.iter().map(|c| codec::owner_bytes(c.owner)).collect();
             let keys: Vec<&[u8]> = keys.iter().map(RedisKey::as_bytes).collect();
             let args: Vec<&[u8]> = batch
@@ -812,7 +836,7 @@ impl RedisStore {
         let mut all: [&[u8]; 3] = [&token, &[], &[]];
         all[1..=args.len()].copy_from_slice(args);
         let done: Option<i64> = self
-            .eval(script, RedisKey::of(key).as_bytes(), &all[..=args.len()])
+            .eval(script, RedisKey::of(&self.prefix, key).as_bytes(), &all[..=args.len()])
             .await?;
         Ok(done == Some(1))
     }
@@ -912,7 +936,7 @@ impl Store for RedisStore {
         tokio::pin!(notified);
         notified.as_mut().enable();
         let found: Option<(Vec<u8>, i64)> = self
-            .eval(&self.scripts.watch, RedisKey::of(key).as_bytes(), &[])
+            .eval(&self.scripts.watch, RedisKey::of(&self.prefix, key).as_bytes(), &[])
             .await?;
         let Some((record, pttl)) = found else {
             return Ok(());
@@ -932,7 +956,9 @@ impl Store for RedisStore {
     }
 
     async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
-        let found: Option<(Vec<u8>, i64)> = self.eval(&self.scripts.peek, RedisKey::of(key).as_bytes(), &[]).await?;
+        let found: Option<(Vec<u8>, i64)> = self
+            .eval(&self.scripts.peek, RedisKey::of(&self.prefix, key).as_bytes(), &[])
+            .await?;
         found
             .map(|(record, pttl)| {
                 Ok((
@@ -944,7 +970,7 @@ impl Store for RedisStore {
     }
 
     async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        let redis_key = RedisKey::of(key);
+        let redis_key = RedisKey::of(&self.prefix, key);
         let mut read = redis::cmd("GET");
         read.arg(redis_key.as_bytes());
         let found: Option<Vec<u8>> = self.connection().await?.query(&read).await.map_err(unavailable)?;
@@ -1030,7 +1056,7 @@ fn refused(error: &RedisError) -> bool {
 /// subscribe (a node down, a user the ACL denies the channel) is logged
 /// once until a subscription holds again; the tries back off to one every
 /// [`SUBSCRIBE_BACKOFF`].
-async fn listen(nodes: Vec<redis::Client>, waiters: Arc<Waiters>, listening: Arc<AtomicBool>) {
+async fn listen(nodes: Vec<redis::Client>, prefix: KeyPrefix, waiters: Arc<Waiters>, listening: Arc<AtomicBool>) {
     let mut next = 0;
     let mut pause = SUBSCRIBE_AGAIN;
     let mut warned = false;
@@ -1053,7 +1079,8 @@ async fn listen(nodes: Vec<redis::Client>, waiters: Arc<Waiters>, listening: Arc
                 waiters.wake_all();
                 let mut messages = pubsub.on_message();
                 while let Some(message) = messages.next().await {
-                    if let Some(key) = record_key_of(message.get_payload_bytes()) {
+                    // Another deployment's, under another prefix: not ours.
+                    if let Some(key) = prefix.record_key_of(message.get_payload_bytes()) {
                         waiters.wake(&key);
                     }
                 }
@@ -1170,7 +1197,12 @@ mod tests {
                 .expect("redis-server must be installed (apt-get install redis-server)"),
             port,
         };
-        let store = RedisStore::single(&format!("redis://127.0.0.1:{port}/0"), Duration::from_secs(2)).unwrap();
+        let store = RedisStore::single(
+            &format!("redis://127.0.0.1:{port}/0"),
+            "idemgate",
+            Duration::from_secs(2),
+        )
+        .unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while store.ping().await.is_err() {
             assert!(std::time::Instant::now() < deadline, "redis-server did not start");
@@ -1193,7 +1225,12 @@ mod tests {
         );
         // The first purge read an earlier record: a newer claim stays.
         let earlier = codec::in_flight(&fingerprint, Owner::new());
-        assert!(!store.purge_exact(&RedisKey::of(&key), &earlier).await.unwrap());
+        assert!(
+            !store
+                .purge_exact(&RedisKey::of(&store.prefix, &key), &earlier)
+                .await
+                .unwrap()
+        );
         assert!(store.inspect(&key).await.unwrap().is_some());
         assert!(store.purge(&key).await.unwrap());
         assert!(store.inspect(&key).await.unwrap().is_none());
@@ -1248,16 +1285,24 @@ mod tests {
 
     #[test]
     fn redis_keys_are_hash_tagged_and_reversible() {
+        let prefix = KeyPrefix::new("idemgate");
         let key = RecordKey([0xab; 32]);
-        let name = RedisKey::of(&key);
+        let name = RedisKey::of(&prefix, &key);
         assert!(name.as_bytes().starts_with(b"idemgate:{abab") && name.as_bytes().ends_with(b"ab}"));
-        assert_eq!(record_key_of(name.as_bytes()), Some(key));
+        assert_eq!(prefix.record_key_of(name.as_bytes()), Some(key));
         let key = RecordKey(std::array::from_fn(|i| i as u8 * 8));
         assert_eq!(
-            RedisKey::of(&key).as_bytes(),
+            RedisKey::of(&prefix, &key).as_bytes(),
             format!("idemgate:{{{}}}", hex::encode(key.0)).as_bytes()
         );
-        assert_eq!(record_key_of(b"idemgate:{zz}"), None);
+        assert_eq!(prefix.record_key_of(b"idemgate:{zz}"), None);
+        // Another prefix, as long as one may be: its own keys alone.
+        let long = "p".repeat(crate::config::MAX_KEY_PREFIX);
+        let other = KeyPrefix::new(&long);
+        let name = RedisKey::of(&other, &key);
+        assert_eq!(name.as_bytes(), format!("{long}:{{{}}}", hex::encode(key.0)).as_bytes());
+        assert_eq!(other.record_key_of(name.as_bytes()), Some(key));
+        assert_eq!(prefix.record_key_of(name.as_bytes()), None);
     }
 
     /// The length of an unmarked in-flight record, as the scripts have it.
