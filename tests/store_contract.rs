@@ -719,6 +719,78 @@ async fn redis_deployments_under_different_key_prefixes_share_nothing() {
     assert!(outside.claim(&key(), &A, Owner::new(), LONG, None).await.is_err());
 }
 
+/// A Redis out of memory (`maxmemory` under `noeviction`) with room for a
+/// claim but not for its answer: the completion is refused, and from then
+/// on no new claim is taken (a request whose answer cannot be kept does
+/// not reach the backend), the store is not ready, and a record already
+/// there is still replayed. Once Redis takes the completion, all is as
+/// before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_out_of_memory_takes_no_new_claim_and_still_replays() {
+    let server = support::redis::RedisServer::start_with_args(&["--maxmemory-policy", "noeviction"]);
+    let store = RedisStore::single(&server.url(), "idemgate", Duration::from_secs(2)).unwrap();
+    let (kept, owner) = (key(), Owner::new());
+    assert_eq!(store.claim(&kept, &A, owner, LONG, None).await.unwrap(), Claim::Claimed);
+    assert!(store.complete(&kept, &A, owner, response("kept"), LONG).await.unwrap());
+    let info = server.cli(&["info", "memory"]).unwrap();
+    let used: u64 = info
+        .lines()
+        .find_map(|line| line.strip_prefix("used_memory:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("used_memory");
+    server
+        .cli(&["config", "set", "maxmemory", &(used + 256 * 1024).to_string()])
+        .unwrap();
+    // A claim fits; its 2 MB answer does not.
+    let (big, owner) = (key(), Owner::new());
+    assert_eq!(store.claim(&big, &A, owner, LONG, None).await.unwrap(), Claim::Claimed);
+    let body = Bytes::from(vec![b'x'; 2 << 20]);
+    let answer = || {
+        Outcome::Response(Arc::new(StoredResponse::new(
+            StatusCode::CREATED,
+            &[],
+            std::slice::from_ref(&body),
+        )))
+    };
+    let refused = store.complete(&big, &A, owner, answer(), LONG).await;
+    assert!(refused.is_err(), "{refused:?}");
+    // Once Redis has let go of the refused command's buffer, a small
+    // write fits again; the completion, tried again (as the proxy does
+    // every two seconds at most), still does not.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while server
+        .cli(&["set", "small", "x"])
+        .is_none_or(|answer| !answer.contains("OK"))
+    {
+        assert!(Instant::now() < deadline, "Redis never took a small write again");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let refused = store.complete(&big, &A, owner, answer(), LONG).await;
+    assert!(refused.is_err(), "{refused:?}");
+    let next = store.claim(&key(), &A, Owner::new(), LONG, None).await;
+    assert!(
+        matches!(&next, Err(StoreError::NotSent(why)) if why.to_string().contains("out of memory")),
+        "{next:?}"
+    );
+    assert!(store.ping().await.is_err());
+    let replay = store.claim(&kept, &A, Owner::new(), LONG, None).await.unwrap();
+    assert_eq!(
+        replay,
+        Claim::Completed {
+            fingerprint: A,
+            outcome: response("kept")
+        }
+    );
+    // Room again: the completion lands, and claims are taken.
+    server.cli(&["config", "set", "maxmemory", "0"]).unwrap();
+    assert!(store.complete(&big, &A, owner, answer(), LONG).await.unwrap());
+    assert_eq!(
+        store.claim(&key(), &A, Owner::new(), LONG, None).await.unwrap(),
+        Claim::Claimed
+    );
+    store.ping().await.unwrap();
+}
+
 /// Completions nobody waits on cost Redis no PUBLISH; a waited-on one does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_announces_only_records_someone_waits_on() {

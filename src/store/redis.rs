@@ -32,7 +32,7 @@
 //! completes (`redis.pcall`); its waiters re-check twice a second.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::ThreadId;
 use std::time::Duration;
@@ -49,6 +49,7 @@ use super::codec::{self, Decoded};
 use super::resp;
 use super::waiters::Waiters;
 use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
+use crate::clock::coarse_now;
 use crate::telemetry::error_chain;
 
 /// Completions and releases are announced here, payload the record's key.
@@ -147,9 +148,9 @@ const RELEASE: &str = "redis.call('DEL', KEYS[1])\nreturn 1\n";
 /// slots), each owner-checked on its own as by [`OURS_OR_NONE`], as if one
 /// after the other (a key completed earlier in the call is another's):
 /// ARGV holds owner token, record and TTL for each key in turn. Returns
-/// per key 1 (completed), 0 (another's) or -1 (Redis refused the write:
-/// that key alone fails, as a script that stops half way would keep what
-/// it wrote). A replica's READONLY (before Redis 7, after a prefix) ends
+/// per key 1 (completed), 0 (another's), -2 (Redis is out of memory) or
+/// -1 (Redis refused the write otherwise: that key alone fails, as a
+/// script that stops half way would keep what it wrote). A replica's READONLY (before Redis 7, after a prefix) ends
 /// the call as an error, so the connection sees it and lets go of the
 /// server: a replica writes nothing, so nothing before it in the call was
 /// written either. One `MGET` reads
@@ -167,7 +168,7 @@ const COMPLETE_MANY: &str = concat!(
     "    local set = redis.pcall('SET', KEYS[i], ARGV[a + 2], 'PX', ARGV[a + 3])\n",
     "    if type(set) == 'table' and set.err then\n",
     "      if string.find(set.err, 'READONLY', 1, true) then return set end\n",
-    "      done[i] = -1\n",
+    "      if string.find(set.err, 'OOM', 1, true) then done[i] = -2 else done[i] = -1 end\n",
     "    else\n",
     "      if v and string.len(v) > 50 then redis.pcall('PUBLISH', '",
     channel!(),
@@ -181,6 +182,14 @@ const COMPLETE_MANY: &str = concat!(
     "end\n",
     "return done\n"
 );
+
+/// How long Redis is taken to be out of memory after it refused a write
+/// so (see [`RedisStore::note_memory`]): longer than a failed completion
+/// waits before it tries again (at most 2 s), so one still failing keeps
+/// new claims refused.
+const FULL_HOLD: Duration = Duration::from_secs(5);
+const OUT_OF_MEMORY: &str = "Redis is out of memory (maxmemory reached under noeviction): no new claim is taken, \
+                             as its answer could not be recorded";
 
 /// A batch of completions goes to Redis in calls of at most this many, or
 /// about this many bytes: a script blocks the server while it runs.
@@ -368,6 +377,10 @@ impl<T: Clone + Send> PerThread<T> {
 pub struct RedisStore {
     connection: Connection,
     prefix: KeyPrefix,
+    /// Until when (ms after `started`) Redis is taken to be out of memory
+    /// (see [`RedisStore::note_memory`]); 0: it is not.
+    full_until: AtomicU64,
+    started: tokio::time::Instant,
     scripts: Scripts,
     waiters: Arc<Waiters>,
     /// Whether the completion subscription is live.
@@ -584,6 +597,8 @@ impl RedisStore {
         RedisStore {
             connection,
             prefix,
+            full_until: AtomicU64::new(0),
+            started: coarse_now(),
             scripts: Scripts::new(),
             waiters,
             listening,
@@ -632,7 +647,63 @@ impl RedisStore {
         let mut connection = self.connection().await?;
         let result = Self::eval_with(&mut connection, script, keys, args).await;
         self.note_scripts(result.as_ref().err());
+        self.note_memory(result.as_ref().err());
         result.map_err(unavailable)
+    }
+
+    /// Notes a refusal for want of memory (`OOM`: `maxmemory` reached under
+    /// `noeviction`). A claim is small and may still fit where its answer
+    /// will not: its completion is then refused on every try, its retries
+    /// get 409 until `ttl`, and the backend has run a request whose answer
+    /// is never kept. So for [`FULL_HOLD`] after one, no new claim is
+    /// taken (503, before the backend sees it), the store is not ready,
+    /// and records already there are still read and replayed.
+    fn note_memory(&self, error: Option<&RedisError>) {
+        if error.is_some_and(|e| e.code() == Some("OOM")) {
+            self.fill();
+        }
+    }
+
+    /// Takes Redis to be out of memory for [`FULL_HOLD`] from now.
+    fn fill(&self) {
+        let until = self.now_ms() + ms(FULL_HOLD);
+        if self.full_until.swap(until, Ordering::Relaxed) == 0 {
+            tracing::error!(
+                "Redis is out of memory (maxmemory, noeviction) and refuses records: new claims are refused \
+                 (503) until it takes them again; records already stored are still replayed"
+            );
+        }
+    }
+
+    /// Whether Redis was refusing records for want of memory just now. A
+    /// completion that lands ends it at once.
+    fn full(&self) -> bool {
+        let until = self.full_until.load(Ordering::Relaxed);
+        if until == 0 {
+            return false;
+        }
+        if self.now_ms() < until {
+            return true;
+        }
+        if self
+            .full_until
+            .compare_exchange(until, 0, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            tracing::info!("Redis took records again after a while out of memory; new claims are taken");
+        }
+        false
+    }
+
+    /// A record written: Redis has room again.
+    fn emptied(&self) {
+        if self.full_until.load(Ordering::Relaxed) != 0 && self.full_until.swap(0, Ordering::Relaxed) != 0 {
+            tracing::info!("Redis took records again after a while out of memory; new claims are taken");
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        ms(coarse_now().saturating_duration_since(self.started)).max(1)
     }
 
     /// Notes whether a script ran, from its call's `error`; a refusal by
@@ -694,6 +765,13 @@ impl RedisStore {
         }
     }
 
+    /// The record under `key` and its time left in ms, if there is one: a
+    /// read, which Redis answers out of memory too.
+    async fn read(&self, key: &RecordKey) -> Result<Option<(Vec<u8>, i64)>, StoreError> {
+        self.eval(&self.scripts.peek, RedisKey::of(&self.prefix, key).as_bytes(), &[])
+            .await
+    }
+
     /// Purges the record under `key` if it is still `record`.
     async fn purge_exact(&self, key: &RedisKey, record: &[u8]) -> Result<bool, StoreError> {
         let removed: i64 = self.eval(&self.scripts.purge, key.as_bytes(), &[record]).await?;
@@ -724,7 +802,10 @@ impl RedisStore {
                 self.native_claim.store(false, Ordering::Relaxed);
                 self.claim_by_script(key, claim, lease, 0).await
             }
-            Err(error) => Err(unavailable(error)),
+            Err(error) => {
+                self.note_memory(Some(&error));
+                Err(unavailable(error))
+            }
         }
     }
 
@@ -789,6 +870,7 @@ impl RedisStore {
             Self::eval_with(&mut connection, &self.scripts.complete_many, &keys, &args).await
         };
         self.note_scripts(result.as_ref().err());
+        self.note_memory(result.as_ref().err());
         match result {
             // A node in cluster mode (one shard, behind `url`) takes each
             // record but no script on keys of several slots; nothing was
@@ -803,8 +885,14 @@ impl RedisStore {
                 futures_util::future::join_all(batch.into_iter().map(|one| self.complete_alone(one))).await;
             }
             Ok(done) if done.len() == batch.len() => {
+                if done.contains(&-2) {
+                    self.fill();
+                } else if done.contains(&1) {
+                    self.emptied();
+                }
                 for (completion, done) in batch.into_iter().zip(done) {
                     let answer = match done {
+                        -2 => Err(StoreError::Unavailable(OUT_OF_MEMORY.into())),
                         -1 => Err(StoreError::Unavailable("Redis refused to write the record".into())),
                         done => Ok(done == 1),
                     };
@@ -826,6 +914,9 @@ impl RedisStore {
                 &[&one.record, one.ttl.as_bytes()],
             )
             .await;
+        if result.is_ok() {
+            self.emptied();
+        }
         let _ = one.reply.send(result);
     }
 
@@ -860,12 +951,24 @@ impl Store for RedisStore {
             })?;
         }
         let claim = codec::in_flight(fingerprint, owner);
-        let found = if refresh_ttl.is_none() && self.native_claim.load(Ordering::Relaxed) {
-            self.claim_natively(key, &claim, ms(lease)).await?
+        let claimed = if self.full() {
+            Err(StoreError::NotSent(OUT_OF_MEMORY.into()))
+        } else if refresh_ttl.is_none() && self.native_claim.load(Ordering::Relaxed) {
+            self.claim_natively(key, &claim, ms(lease)).await
         } else {
             // A replay that refreshes the TTL must do it in the same step.
             self.claim_by_script(key, &claim, ms(lease), refresh_ttl.map_or(0, ms))
-                .await?
+                .await
+        };
+        let found = match claimed {
+            Ok(found) => found,
+            Err(error) if !self.full() => return Err(error),
+            // Out of memory (just now, or this claim was refused so): what
+            // is there is read, a replay answered; nothing new is taken.
+            Err(_) => match self.read(key).await? {
+                Some((record, _)) => Some(record),
+                None => return Err(StoreError::NotSent(OUT_OF_MEMORY.into())),
+            },
         };
         let Some(record) = found else {
             return Ok(Claim::Claimed);
@@ -890,9 +993,13 @@ impl Store for RedisStore {
         let record = codec::completed(fingerprint, &outcome);
         let ttl = ms(ttl).to_string();
         let Some(batches) = self.batches.as_ref().filter(|_| self.batching.load(Ordering::Relaxed)) else {
-            return self
+            let done = self
                 .owned(&self.scripts.complete, key, owner, &[&record, ttl.as_bytes()])
                 .await;
+            if done.is_ok() {
+                self.emptied();
+            }
+            return done;
         };
         // Completions made on this thread in one turn of its runtime go to
         // Redis in one script call: the first to queue sends them all, once
@@ -956,10 +1063,8 @@ impl Store for RedisStore {
     }
 
     async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
-        let found: Option<(Vec<u8>, i64)> = self
-            .eval(&self.scripts.peek, RedisKey::of(&self.prefix, key).as_bytes(), &[])
-            .await?;
-        found
+        self.read(key)
+            .await?
             .map(|(record, pttl)| {
                 Ok((
                     codec::decode(Bytes::from(record))?,
@@ -987,6 +1092,9 @@ impl Store for RedisStore {
         // complete nothing.
         // A connection that broke while Redis was away fails its first
         // command and reconnects: ask twice before calling Redis down.
+        if self.full() {
+            return Err(StoreError::Unavailable(OUT_OF_MEMORY.into()));
+        }
         if self.probe().await.is_ok() {
             return Ok(());
         }
