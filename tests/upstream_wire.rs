@@ -576,11 +576,12 @@ async fn an_answer_sent_before_the_body_was_read_stands_while_the_upstream_holds
     assert_eq!(requests.load(Ordering::SeqCst), 1);
 }
 
-/// An interim answer (`100 Continue`) sent as the upload begins is no
-/// early answer: the body goes on whole, and the final answer after it
-/// is the one given.
-#[tokio::test]
-async fn an_interim_answer_during_an_upload_lets_the_body_go_on() {
+/// What an upstream sends once it has read a body of this many bytes.
+type Last = fn(usize) -> String;
+
+/// An upstream that sends `first` as soon as it has a request's head,
+/// then reads the whole body and sends `last` of the body's length.
+async fn answering_as_it_reads(first: &'static [u8], last: Last) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
@@ -595,7 +596,7 @@ async fn an_interim_answer_during_an_upload_lets_the_body_go_on() {
             assert!(n > 0, "closed before the head");
             read.extend_from_slice(&chunk[..n]);
         };
-        socket.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await.unwrap();
+        socket.write_all(first).await.unwrap();
         let head = String::from_utf8_lossy(&read[..end]).to_ascii_lowercase();
         let length: usize = head
             .lines()
@@ -608,23 +609,70 @@ async fn an_interim_answer_during_an_upload_lets_the_body_go_on() {
             let n = socket.read(&mut chunk).await.unwrap();
             assert!(n > 0, "closed with {body} of {length} bytes read");
             body += n;
+            // Slower than the proxy writes: its writes wait on this.
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let answer = format!(
-            "HTTP/1.1 201 Created\r\ncontent-length: {}\r\n\r\n{body}",
-            body.to_string().len()
-        );
-        socket.write_all(answer.as_bytes()).await.unwrap();
+        socket.write_all(last(body).as_bytes()).await.unwrap();
         tokio::time::sleep(Duration::from_secs(60)).await;
     });
-    let proxy = Proxy::start(
-        &url,
-        "[server]\nmax_request_body = \"32MiB\"\n[[route]]\nname = \"upload\"\npath = \"/upload\"\n",
-    )
-    .await;
+    url
+}
+
+/// An interim answer (`100 Continue`) sent as the upload begins is no
+/// early answer: the body goes on whole, and the final answer after it
+/// is the one given. So is a final answer sent as the upload begins by an
+/// upstream that goes on reading it (a full-duplex one, answering as it
+/// reads): all the body is sent.
+#[tokio::test]
+async fn an_answer_begun_while_the_upstream_reads_the_upload_lets_the_body_go_on() {
+    let cases: [(&[u8], Last, StatusCode); 2] = [
+        (
+            b"HTTP/1.1 100 Continue\r\n\r\n",
+            |n| {
+                format!(
+                    "HTTP/1.1 201 Created\r\ncontent-length: {}\r\n\r\n{n}",
+                    n.to_string().len()
+                )
+            },
+            StatusCode::CREATED,
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+            |n| format!("{:x}\r\n{n}\r\n0\r\n\r\n", n.to_string().len()),
+            StatusCode::OK,
+        ),
+    ];
+    for (first, last, status) in cases {
+        let url = answering_as_it_reads(first, last).await;
+        let proxy = Proxy::start(
+            &url,
+            "[server]\nmax_request_body = \"32MiB\"\n[[route]]\nname = \"upload\"\npath = \"/upload\"\n",
+        )
+        .await;
+        let big = "x".repeat(16 << 20);
+        let answer = TestClient::default().post(&proxy.url("/upload"), "u4", &big).await;
+        assert_eq!(answer.status, status, "{}", answer.text());
+        assert_eq!(answer.text(), (16 << 20).to_string());
+    }
+}
+
+/// An early answer after an interim one (`100 Continue`, then a 413) from
+/// an upstream that then holds the connection, reading nothing: read as
+/// it comes, not waited out.
+#[tokio::test]
+async fn an_early_answer_after_an_interim_one_is_read_while_the_upstream_holds_on() {
+    let answer = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 413 Payload Too Large\r\ncontent-length: 9\r\n\r\ntoo large";
+    let (proxy, requests) = answering_early(answer, true).await;
     let big = "x".repeat(16 << 20);
-    let answer = TestClient::default().post(&proxy.url("/upload"), "u4", &big).await;
-    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text());
-    assert_eq!(answer.text(), (16 << 20).to_string());
+    let first = tokio::time::timeout(
+        Duration::from_secs(10),
+        TestClient::default().post(&proxy.url("/upload"), "u5", &big),
+    )
+    .await
+    .expect("the early answer was not read while the body was being written");
+    assert_eq!(first.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", first.text());
+    assert_eq!(first.text(), "too large");
+    assert_eq!(requests.load(Ordering::SeqCst), 1);
 }
 
 /// A proxy with an `upload` route (`on_upstream_failure = "release"`) in

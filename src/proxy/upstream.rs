@@ -333,68 +333,113 @@ impl Conn {
         self.stream.read_buf(&mut self.buf).await
     }
 
-    /// Writes part of a request's body whole, unless the upstream answers
-    /// first: an upstream may answer before it has read the body (a 413,
-    /// a 401, or a 201 to an upload it takes no further) and then neither
-    /// read nor close, and a write waiting on it would wait out
-    /// `upstream.timeout` with the answer unread. So what the upstream
-    /// sends meanwhile is read into the buffer; a final answer's status
-    /// line (or its end of the connection) fails the write, and
-    /// [`early_answer`] reads the answer. An interim answer (`100
-    /// Continue`) does not: the body goes on, and the answer is read from
-    /// the buffer after it.
+    /// Writes part of a request's body whole (and flushes it, through
+    /// TLS), unless the upstream has answered and stopped reading: an
+    /// upstream may answer before it has read the body (a 413, a 401, or
+    /// a 201 to an upload it takes no further) and then neither read nor
+    /// close, and a write waiting on it would wait out `upstream.timeout`
+    /// with the answer unread. So what the upstream sends meanwhile is
+    /// read into the buffer. Once a final answer has begun, the body goes
+    /// on while the upstream reads it (one that answers as it reads, a
+    /// full-duplex echo say, gets all of it); a write that then waits
+    /// [`EARLY_ANSWER_WAIT`] fails, and [`early_answer`] reads the answer.
+    /// The connection's end fails it at once. Interim answers (`100
+    /// Continue`) are read past.
     async fn write_body(&mut self, mut data: &[u8]) -> io::Result<()> {
-        let mut watching = true;
+        let (mut watching, mut answered) = (true, false);
+        let mut stalled: Option<Pin<Box<tokio::time::Sleep>>> = None;
         std::future::poll_fn(|cx| {
             loop {
-                if watching {
+                if watching && !answered {
                     match self.poll_answer(cx) {
-                        Poll::Ready(true) => {
-                            let early = "the upstream answered before the request's body was sent whole";
-                            return Poll::Ready(Err(io::Error::other(early)));
-                        }
-                        Poll::Ready(false) => watching = false,
+                        Poll::Ready(Ok(true)) => answered = true,
+                        Poll::Ready(Ok(false)) => watching = false,
+                        Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
                         Poll::Pending => {}
                     }
                 }
-                if data.is_empty() {
-                    return Poll::Ready(Ok(()));
-                }
-                match ready!(Pin::new(&mut self.stream).poll_write(cx, data)) {
-                    Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
-                    Ok(n) => data = &data[n..],
-                    Err(error) => return Poll::Ready(Err(error)),
+                let stream = Pin::new(&mut self.stream);
+                let went = if data.is_empty() {
+                    match stream.poll_flush(cx) {
+                        Poll::Ready(done) => return Poll::Ready(done),
+                        Poll::Pending => Poll::Pending,
+                    }
+                } else {
+                    stream.poll_write(cx, data)
+                };
+                match went {
+                    Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                    Poll::Ready(Ok(n)) => {
+                        data = &data[n..];
+                        stalled = None;
+                    }
+                    Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+                    Poll::Pending if !answered => return Poll::Pending,
+                    Poll::Pending => {
+                        let wait = stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(EARLY_ANSWER_WAIT)));
+                        ready!(wait.as_mut().poll(cx));
+                        let stopped = "the upstream answered and stopped reading the request's body";
+                        return Poll::Ready(Err(io::Error::other(stopped)));
+                    }
                 }
             }
         })
         .await
     }
 
-    /// Reads what the upstream has sent, if anything: `Ready(true)` once
-    /// it is the start of a final answer (or not an answer at all, or the
-    /// connection's end, which reading the head will report), `Ready(false)`
-    /// for an interim one, `Pending` while nothing or too little came.
-    fn poll_answer(&mut self, cx: &mut Context<'_>) -> Poll<bool> {
+    /// Reads what the upstream has sent, until it says something:
+    /// `Ok(true)` once a final answer has begun (or bytes that are no
+    /// answer at all, which reading the head will report), `Ok(false)`
+    /// when interim answers have filled the most a head may take (no more
+    /// is read), an error at the connection's end.
+    fn poll_answer(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<bool>> {
         loop {
+            match early(&self.buf) {
+                Early::Final => return Poll::Ready(Ok(true)),
+                Early::TooLong => return Poll::Ready(Ok(false)),
+                Early::NotYet => {}
+            }
             self.make_room();
-            match ready!(tokio_util::io::poll_read_buf(
-                Pin::new(&mut self.stream),
-                cx,
-                &mut self.buf
-            )) {
-                Ok(0) | Err(_) => return Poll::Ready(true),
-                Ok(_) => {}
+            let read = tokio_util::io::poll_read_buf(Pin::new(&mut self.stream), cx, &mut self.buf);
+            if ready!(read)? == 0 {
+                let ended = "the upstream closed the connection before the request's body was sent whole";
+                return Poll::Ready(Err(io::Error::new(io::ErrorKind::UnexpectedEof, ended)));
             }
-            // Empty lines before a head are skipped, as reading it does.
-            let start = self.buf.iter().position(|b| !matches!(b, b'\r' | b'\n'));
-            let line = &self.buf[start.unwrap_or(self.buf.len())..];
-            match status_line(line) {
-                Some(status) => return Poll::Ready(!status.is_informational()),
-                // Too short yet to say (a status line's first 12 bytes
-                // say it): more is read.
-                None if line.len() < 12 && line.iter().zip(b"HTTP/1.x ").all(|(a, b)| a == b || *b == b'x') => {}
-                None => return Poll::Ready(true),
+        }
+    }
+}
+
+/// What the bytes an upstream sent while the request was still going out
+/// say (see [`Conn::write_body`]).
+enum Early {
+    /// Nothing, interim answers, or too little to tell.
+    NotYet,
+    /// A final answer's status line, or bytes that are not an answer.
+    Final,
+    /// Interim answers past the most a head may take.
+    TooLong,
+}
+
+fn early(buf: &[u8]) -> Early {
+    let mut at = 0;
+    loop {
+        // Empty lines before a head are skipped, as reading it does.
+        at += buf[at..].iter().take_while(|b| matches!(b, b'\r' | b'\n')).count();
+        let head = &buf[at..];
+        match status_line(head) {
+            Some(status) if !status.is_informational() => return Early::Final,
+            // An interim answer: what follows it, once it is whole.
+            Some(_) => match head.windows(2).position(|w| w == b"\n\n" || w == b"\n\r") {
+                Some(end) if head.get(end + 1) == Some(&b'\n') => at += end + 2,
+                Some(end) if head.get(end + 2) == Some(&b'\n') => at += end + 3,
+                _ if buf.len() > MAX_HEAD => return Early::TooLong,
+                _ => return Early::NotYet,
+            },
+            // Too short yet to say (a status line's first 12 bytes say it).
+            None if head.len() < 12 && head.iter().zip(b"HTTP/1.x ").all(|(a, b)| a == b || *b == b'x') => {
+                return Early::NotYet;
             }
+            None => return Early::Final,
         }
     }
 }
@@ -726,7 +771,7 @@ async fn write_request(
                 }
             }
             if length.is_none() {
-                conn.stream.write_all(b"0\r\n\r\n").await?;
+                conn.write_body(b"0\r\n\r\n").await?;
             }
         }
     }
