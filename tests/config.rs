@@ -492,6 +492,11 @@ fn store_paths_and_urls_are_checked_before_anything_is_bound() {
             "may not hold '*'",
         ),
         (
+            "backend = \"redis\"\nkey_prefix = \"a:b\"",
+            "store.key_prefix",
+            "may not hold ':'",
+        ),
+        (
             "backend = \"redis\"\nkey_prefix = \"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"",
             "store.key_prefix",
             "is 65 bytes long: at most 64",

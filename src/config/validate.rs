@@ -736,7 +736,8 @@ fn route_host(raw: &str) -> Result<String, String> {
 /// A `store.key_prefix`: what Redis key patterns and `SCAN MATCH` take
 /// as written (visible ASCII; no glob characters, which a user's key
 /// pattern `~<prefix>:*` would read as such; no braces, which would move
-/// the hash tag that keeps a record in one slot).
+/// the hash tag that keeps a record in one slot; no `:`, so no prefix's
+/// pattern, `~a:*`, also covers another's keys, `a:b:{...}`).
 fn key_prefix(prefix: &str) -> Result<String, String> {
     if prefix.is_empty() {
         return Err("is empty: give a name, e.g. key_prefix = \"orders\"".into());
@@ -746,10 +747,10 @@ fn key_prefix(prefix: &str) -> Result<String, String> {
     }
     if let Some(bad) = prefix
         .chars()
-        .find(|c| !c.is_ascii_graphic() || matches!(c, '{' | '}' | '*' | '?' | '[' | ']' | '\\'))
+        .find(|c| !c.is_ascii_graphic() || matches!(c, '{' | '}' | '*' | '?' | '[' | ']' | '\\' | ':'))
     {
         return Err(format!(
-            "may not hold {bad:?}: letters, digits and punctuation but for {{ }} * ? [ ] \\ only"
+            "may not hold {bad:?}: letters, digits and punctuation but for {{ }} * ? [ ] \\ : only"
         ));
     }
     Ok(prefix.to_owned())
