@@ -544,7 +544,12 @@ impl EmbeddedStore {
                     if let Some(sealed) = sealed
                         && segments.binary_search_by_key(&sealed, |(n, _)| *n).is_err()
                     {
-                        return Err(StoreError::Unavailable(Wal::missing(path, sealed, sealed).into()));
+                        // Only it would name one made after it.
+                        let failure = format!(
+                            "{} (any made after it are missing too: restore them all)",
+                            Wal::missing(path, sealed, sealed)
+                        );
+                        return Err(StoreError::Unavailable(failure.into()));
                     }
                     for (key, change) in entries {
                         match change {
