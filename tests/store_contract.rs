@@ -720,11 +720,11 @@ async fn redis_deployments_under_different_key_prefixes_share_nothing() {
 }
 
 /// A Redis out of memory (`maxmemory` under `noeviction`) with room for a
-/// claim but not for its answer: the completion is refused, and from then
-/// on no new claim is taken (a request whose answer cannot be kept does
-/// not reach the backend), the store is not ready, and a record already
-/// there is still replayed. Once Redis takes the completion, all is as
-/// before.
+/// claim but not for its answer: the completion is refused, and for a
+/// few seconds no new claim is taken (a request whose answer cannot be
+/// kept does not reach the backend), the store is not ready, and a record
+/// already there is still replayed. That answer's own retries, refused
+/// as long as it does not fit, do not keep new claims out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_out_of_memory_takes_no_new_claim_and_still_replays() {
     let server = support::redis::RedisServer::start_with_args(&["--maxmemory-policy", "noeviction"]);
@@ -781,14 +781,36 @@ async fn redis_out_of_memory_takes_no_new_claim_and_still_replays() {
             outcome: response("kept")
         }
     );
-    // Room again: the completion lands, and claims are taken.
+    // Over its limit, Redis refuses a waiter's mark too: the wait reads the
+    // record instead, and a replay is still answered.
+    let limit = server.cli(&["config", "get", "maxmemory"]).unwrap();
+    let limit = limit.lines().nth(1).expect("the limit").trim().to_owned();
+    server.cli(&["config", "set", "maxmemory", "1"]).unwrap();
+    store.wait(&big, Duration::from_millis(300)).await.unwrap();
+    let replay = store.claim(&kept, &A, Owner::new(), LONG, None).await.unwrap();
+    assert!(matches!(replay, Claim::Completed { .. }), "{replay:?}");
+    server.cli(&["config", "set", "maxmemory", &limit]).unwrap();
+    // The one answer too large for the room left, refused on each try,
+    // keeps new claims out for a few seconds only: others fit.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let refused = store.complete(&big, &A, owner, answer(), LONG).await;
+        assert!(refused.is_err(), "{refused:?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        if let Ok(claim) = store.claim(&key(), &A, Owner::new(), LONG, None).await {
+            assert_eq!(claim, Claim::Claimed);
+            break;
+        }
+        assert!(Instant::now() < deadline, "new claims stayed refused");
+    }
+    store.ping().await.unwrap();
+    // Room again: the completion lands.
     server.cli(&["config", "set", "maxmemory", "0"]).unwrap();
     assert!(store.complete(&big, &A, owner, answer(), LONG).await.unwrap());
     assert_eq!(
         store.claim(&key(), &A, Owner::new(), LONG, None).await.unwrap(),
         Claim::Claimed
     );
-    store.ping().await.unwrap();
 }
 
 /// Completions nobody waits on cost Redis no PUBLISH; a waited-on one does.

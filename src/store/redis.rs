@@ -184,10 +184,16 @@ const COMPLETE_MANY: &str = concat!(
 );
 
 /// How long Redis is taken to be out of memory after it refused a write
-/// so (see [`RedisStore::note_memory`]): longer than a failed completion
-/// waits before it tries again (at most 2 s), so one still failing keeps
-/// new claims refused.
+/// so (see [`RedisStore::fill`]).
 const FULL_HOLD: Duration = Duration::from_secs(5);
+/// Most records kept as refused for want of memory (see
+/// [`RedisStore::completion_refused`]).
+const REFUSED_KEPT: usize = 4096;
+
+/// Whether `error` is Redis's refusal for want of memory.
+fn out_of_memory(error: &RedisError) -> bool {
+    error.code() == Some("OOM")
+}
 const OUT_OF_MEMORY: &str = "Redis is out of memory (maxmemory reached under noeviction): no new claim is taken, \
                              as its answer could not be recorded";
 
@@ -381,6 +387,13 @@ pub struct RedisStore {
     /// (see [`RedisStore::note_memory`]); 0: it is not.
     full_until: AtomicU64,
     started: tokio::time::Instant,
+    /// When (ms after `started`) Redis being out of memory was last said,
+    /// and whether it was said of this episode (its end is said too).
+    full_said: AtomicU64,
+    full_told: AtomicBool,
+    /// Records whose completion Redis refused for want of memory, until
+    /// it lands.
+    refused: Mutex<std::collections::HashSet<RecordKey>>,
     scripts: Scripts,
     waiters: Arc<Waiters>,
     /// Whether the completion subscription is live.
@@ -599,6 +612,9 @@ impl RedisStore {
             prefix,
             full_until: AtomicU64::new(0),
             started: coarse_now(),
+            full_said: AtomicU64::new(0),
+            full_told: AtomicBool::new(false),
+            refused: Mutex::default(),
             scripts: Scripts::new(),
             waiters,
             listening,
@@ -647,27 +663,83 @@ impl RedisStore {
         let mut connection = self.connection().await?;
         let result = Self::eval_with(&mut connection, script, keys, args).await;
         self.note_scripts(result.as_ref().err());
+        result.map_err(unavailable)
+    }
+
+    /// [`RedisStore::eval`] of a script that writes a few bytes at most (a
+    /// claim, the probe, a wait's mark): refused for want of memory, it
+    /// fills the store (see [`RedisStore::note_memory`]).
+    async fn eval_filling<T: redis::FromRedisValue>(
+        &self,
+        script: &Lua,
+        key: &[u8],
+        args: &[&[u8]],
+    ) -> Result<T, StoreError> {
+        let mut connection = self.connection().await?;
+        let result = Self::eval_with(&mut connection, script, &[key], args).await;
+        self.note_scripts(result.as_ref().err());
         self.note_memory(result.as_ref().err());
         result.map_err(unavailable)
     }
 
     /// Notes a refusal for want of memory (`OOM`: `maxmemory` reached under
-    /// `noeviction`). A claim is small and may still fit where its answer
-    /// will not: its completion is then refused on every try, its retries
-    /// get 409 until `ttl`, and the backend has run a request whose answer
-    /// is never kept. So for [`FULL_HOLD`] after one, no new claim is
-    /// taken (503, before the backend sees it), the store is not ready,
-    /// and records already there are still read and replayed.
+    /// `noeviction`) of a claim, a probe or a wait's mark: Redis has no
+    /// room even for a few bytes. See [`RedisStore::fill`].
     fn note_memory(&self, error: Option<&RedisError>) {
-        if error.is_some_and(|e| e.code() == Some("OOM")) {
+        if error.is_some_and(out_of_memory) {
             self.fill();
         }
     }
 
-    /// Takes Redis to be out of memory for [`FULL_HOLD`] from now.
+    /// Notes that Redis refused the completion of `key` for want of memory.
+    /// A claim is small and may still fit where its answer will not: the
+    /// completion is then refused on every try, its retries get 409 until
+    /// `ttl`, and the backend ran a request whose answer is not kept. So
+    /// the first refusal of a record fills the store (see
+    /// [`RedisStore::fill`]); its own later ones do not, as one answer
+    /// larger than the room left is refused on every try while smaller
+    /// ones land, and must not keep new claims out until its `ttl`.
+    fn completion_refused(&self, key: &RecordKey) {
+        let first = {
+            let mut refused = lock(&self.refused);
+            // Records given up on (their `ttl` passed) are never removed:
+            // bounded by forgetting them all now and then.
+            if refused.len() >= REFUSED_KEPT {
+                refused.clear();
+            }
+            refused.insert(*key)
+        };
+        if first {
+            self.fill();
+        }
+    }
+
+    /// Notes that the completion of `key` landed.
+    fn completion_landed(&self, key: &RecordKey) {
+        if self.full_until.load(Ordering::Relaxed) != 0 || !lock(&self.refused).is_empty() {
+            lock(&self.refused).remove(key);
+        }
+    }
+
+    /// Takes Redis to be out of memory for [`FULL_HOLD`] from now: no new
+    /// claim is taken (503, before the backend sees it), the store is not
+    /// ready, and records already there are still read and replayed. Said
+    /// once an episode, and no more than once a minute (on a Redis Cluster
+    /// one full node fills the whole store, and its episodes come and go
+    /// as completions land on it or on the others).
     fn fill(&self) {
-        let until = self.now_ms() + ms(FULL_HOLD);
-        if self.full_until.swap(until, Ordering::Relaxed) == 0 {
+        let now = self.now_ms();
+        if self.full_until.swap(now + ms(FULL_HOLD), Ordering::Relaxed) != 0 {
+            return;
+        }
+        let said = self.full_said.load(Ordering::Relaxed);
+        if (said == 0 || now >= said + 60_000)
+            && self
+                .full_said
+                .compare_exchange(said, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.full_told.store(true, Ordering::Relaxed);
             tracing::error!(
                 "Redis is out of memory (maxmemory, noeviction) and refuses records: new claims are refused \
                  (503) until it takes them again; records already stored are still replayed"
@@ -675,8 +747,8 @@ impl RedisStore {
         }
     }
 
-    /// Whether Redis was refusing records for want of memory just now. A
-    /// completion that lands ends it at once.
+    /// Whether Redis refused a write for want of memory within the last
+    /// [`FULL_HOLD`].
     fn full(&self) -> bool {
         let until = self.full_until.load(Ordering::Relaxed);
         if until == 0 {
@@ -689,17 +761,11 @@ impl RedisStore {
             .full_until
             .compare_exchange(until, 0, Ordering::Relaxed, Ordering::Relaxed)
             .is_ok()
+            && self.full_told.swap(false, Ordering::Relaxed)
         {
-            tracing::info!("Redis took records again after a while out of memory; new claims are taken");
+            tracing::info!("Redis refused no write for want of memory for a while: new claims are taken again");
         }
         false
-    }
-
-    /// A record written: Redis has room again.
-    fn emptied(&self) {
-        if self.full_until.load(Ordering::Relaxed) != 0 && self.full_until.swap(0, Ordering::Relaxed) != 0 {
-            tracing::info!("Redis took records again after a while out of memory; new claims are taken");
-        }
     }
 
     fn now_ms(&self) -> u64 {
@@ -738,7 +804,7 @@ impl RedisStore {
         // Under the records' prefix, which a Redis user's key patterns
         // allow (`~<prefix>:*`).
         let key = [&self.prefix.0[..], b"ping}"].concat();
-        self.eval::<i64>(&self.scripts.ping, &key, &[]).await?;
+        self.eval_filling::<i64>(&self.scripts.ping, &key, &[]).await?;
         if !self.scripts_run.load(Ordering::Relaxed) {
             self.scripts_run.store(true, Ordering::Relaxed);
         }
@@ -819,7 +885,7 @@ impl RedisStore {
         refresh: u64,
     ) -> Result<Option<Vec<u8>>, StoreError> {
         let (lease, refresh) = (lease.to_string(), refresh.to_string());
-        self.eval(
+        self.eval_filling(
             &self.scripts.claim,
             RedisKey::of(&self.prefix, key).as_bytes(),
             &[claim, lease.as_bytes(), refresh.as_bytes()],
@@ -870,7 +936,6 @@ impl RedisStore {
             Self::eval_with(&mut connection, &self.scripts.complete_many, &keys, &args).await
         };
         self.note_scripts(result.as_ref().err());
-        self.note_memory(result.as_ref().err());
         match result {
             // A node in cluster mode (one shard, behind `url`) takes each
             // record but no script on keys of several slots; nothing was
@@ -885,12 +950,12 @@ impl RedisStore {
                 futures_util::future::join_all(batch.into_iter().map(|one| self.complete_alone(one))).await;
             }
             Ok(done) if done.len() == batch.len() => {
-                if done.contains(&-2) {
-                    self.fill();
-                } else if done.contains(&1) {
-                    self.emptied();
-                }
                 for (completion, done) in batch.into_iter().zip(done) {
+                    match done {
+                        -2 => self.completion_refused(&completion.key),
+                        1 => self.completion_landed(&completion.key),
+                        _ => {}
+                    }
                     let answer = match done {
                         -2 => Err(StoreError::Unavailable(OUT_OF_MEMORY.into())),
                         -1 => Err(StoreError::Unavailable("Redis refused to write the record".into())),
@@ -900,24 +965,37 @@ impl RedisStore {
                 }
             }
             Ok(_) => fail(batch, "Redis answered a batch of completions with the wrong count"),
-            Err(error) => fail(batch, &cause(&unavailable(error))),
+            Err(error) => {
+                if out_of_memory(&error) {
+                    batch.iter().for_each(|c| self.completion_refused(&c.key));
+                }
+                fail(batch, &cause(&unavailable(error)))
+            }
         }
     }
 
     /// Completes `one` by the completion script, and answers it.
     async fn complete_alone(&self, one: Completion) {
-        let result = self
-            .owned(
-                &self.scripts.complete,
-                &one.key,
-                one.owner,
-                &[&one.record, one.ttl.as_bytes()],
-            )
-            .await;
-        if result.is_ok() {
-            self.emptied();
-        }
+        let result = self.complete_one(&one.key, one.owner, &one.record, &one.ttl).await;
         let _ = one.reply.send(result);
+    }
+
+    /// Completes the record `key` by the completion script (see
+    /// [`RedisStore::completion_refused`]).
+    async fn complete_one(&self, key: &RecordKey, owner: Owner, record: &[u8], ttl: &str) -> Result<bool, StoreError> {
+        let token = codec::owner_bytes(owner);
+        let redis_key = RedisKey::of(&self.prefix, key);
+        let mut connection = self.connection().await?;
+        let args: [&[u8]; 3] = [&token, record, ttl.as_bytes()];
+        let result: Result<Option<i64>, RedisError> =
+            Self::eval_with(&mut connection, &self.scripts.complete, &[redis_key.as_bytes()], &args).await;
+        self.note_scripts(result.as_ref().err());
+        match &result {
+            Ok(_) => self.completion_landed(key),
+            Err(error) if out_of_memory(error) => self.completion_refused(key),
+            Err(_) => {}
+        }
+        Ok(result.map_err(unavailable)? == Some(1))
     }
 
     /// Runs `script` if `owner` holds the claim on `key`; `args` follow the
@@ -993,13 +1071,7 @@ impl Store for RedisStore {
         let record = codec::completed(fingerprint, &outcome);
         let ttl = ms(ttl).to_string();
         let Some(batches) = self.batches.as_ref().filter(|_| self.batching.load(Ordering::Relaxed)) else {
-            let done = self
-                .owned(&self.scripts.complete, key, owner, &[&record, ttl.as_bytes()])
-                .await;
-            if done.is_ok() {
-                self.emptied();
-            }
-            return done;
+            return self.complete_one(key, owner, &record, &ttl).await;
         };
         // Completions made on this thread in one turn of its runtime go to
         // Redis in one script call: the first to queue sends them all, once
@@ -1042,17 +1114,25 @@ impl Store for RedisStore {
         let notified = registration.notify.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        let found: Option<(Vec<u8>, i64)> = self
-            .eval(&self.scripts.watch, RedisKey::of(&self.prefix, key).as_bytes(), &[])
-            .await?;
+        let watched = self
+            .eval_filling(&self.scripts.watch, RedisKey::of(&self.prefix, key).as_bytes(), &[])
+            .await;
+        // Out of memory, the mark is refused: the record is read, and
+        // looked at again sooner, as without a subscription.
+        let (found, marked): (Option<(Vec<u8>, i64)>, bool) = match watched {
+            Ok(found) => (found, true),
+            Err(_) if self.full() => (self.read(key).await?, false),
+            Err(error) => return Err(error),
+        };
         let Some((record, pttl)) = found else {
             return Ok(());
         };
         if record.get(1) != Some(&codec::IN_FLIGHT) {
             return Ok(());
         }
-        // Without a live subscription, re-check sooner; never spin.
-        let recheck = if self.listening.load(Ordering::Relaxed) {
+        // Without a live subscription (or the mark), re-check sooner; never
+        // spin.
+        let recheck = if marked && self.listening.load(Ordering::Relaxed) {
             RECHECK
         } else {
             RECHECK / 2
