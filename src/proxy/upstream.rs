@@ -70,6 +70,9 @@ struct Inner {
 /// How long an answer may take to be read after the request failed to go
 /// out whole (see [`UpstreamClient::request`]): one sent early has arrived.
 const EARLY_ANSWER_WAIT: Duration = Duration::from_secs(1);
+/// The most of an answer read while the request's body is still going out
+/// to an upstream that answers as it reads (see [`Conn::write_body`]).
+const READ_WHILE_WRITING: usize = 4 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
@@ -285,6 +288,10 @@ struct Conn {
     stream: Stream,
     buf: BytesMut,
     idle_since: Instant,
+    /// A final answer that began before the request's body was sent
+    /// whole, by its status (see [`Conn::write_body`]): such a connection
+    /// is not reused, as the upstream may not have read all the body.
+    early: Option<Option<StatusCode>>,
 }
 
 impl Conn {
@@ -334,26 +341,29 @@ impl Conn {
     }
 
     /// Writes part of a request's body whole (and flushes it, through
-    /// TLS), unless the upstream has answered and stopped reading: an
-    /// upstream may answer before it has read the body (a 413, a 401, or
-    /// a 201 to an upload it takes no further) and then neither read nor
-    /// close, and a write waiting on it would wait out `upstream.timeout`
-    /// with the answer unread. So what the upstream sends meanwhile is
-    /// read into the buffer. Once a final answer has begun, the body goes
-    /// on while the upstream reads it (one that answers as it reads, a
-    /// full-duplex echo say, gets all of it); a write that then waits
-    /// [`EARLY_ANSWER_WAIT`] fails, and [`early_answer`] reads the answer.
-    /// The connection's end fails it at once. Interim answers (`100
-    /// Continue`) are read past.
-    async fn write_body(&mut self, mut data: &[u8]) -> io::Result<()> {
-        let (mut watching, mut answered) = (true, false);
+    /// TLS), reading what the upstream sends meanwhile into the buffer
+    /// (see [`Conn::poll_upstream`]). An upstream may answer before it has
+    /// read the body and then neither read nor close: a write waiting on
+    /// it would wait out `upstream.timeout` with the answer unread. So
+    /// once an error answer (a 413, a 401) has begun, a write that waits
+    /// [`EARLY_ANSWER_WAIT`] fails, and [`early_answer`] reads the answer;
+    /// the connection's end fails it at once. An early 2xx or 3xx lets the
+    /// body go on as long as it takes (an upstream answering as it reads,
+    /// full duplex, gets all of it, its answer read meanwhile up to
+    /// [`READ_WHILE_WRITING`]); its status goes to `begun`, so a deadline
+    /// that cuts the exchange short settles the claim by it.
+    async fn write_body(&mut self, mut data: &[u8], begun: Option<&HeadBegun>) -> io::Result<()> {
+        let mut watching = true;
         let mut stalled: Option<Pin<Box<tokio::time::Sleep>>> = None;
         std::future::poll_fn(|cx| {
             loop {
-                if watching && !answered {
-                    match self.poll_answer(cx) {
-                        Poll::Ready(Ok(true)) => answered = true,
-                        Poll::Ready(Ok(false)) => watching = false,
+                if watching {
+                    let heard = self.poll_upstream(cx);
+                    if let (Some(begun), Some(Some(status))) = (begun, self.early) {
+                        begun.0.store(status.as_u16(), Ordering::Relaxed);
+                    }
+                    match heard {
+                        Poll::Ready(Ok(())) => watching = false,
                         Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
                         Poll::Pending => {}
                     }
@@ -374,11 +384,11 @@ impl Conn {
                         stalled = None;
                     }
                     Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
-                    Poll::Pending if !answered => return Poll::Pending,
+                    Poll::Pending if !self.early.is_some_and(stops_the_body) => return Poll::Pending,
                     Poll::Pending => {
                         let wait = stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(EARLY_ANSWER_WAIT)));
                         ready!(wait.as_mut().poll(cx));
-                        let stopped = "the upstream answered and stopped reading the request's body";
+                        let stopped = "the upstream answered with an error and stopped reading the request's body";
                         return Poll::Ready(Err(io::Error::other(stopped)));
                     }
                 }
@@ -387,17 +397,22 @@ impl Conn {
         .await
     }
 
-    /// Reads what the upstream has sent, until it says something:
-    /// `Ok(true)` once a final answer has begun (or bytes that are no
-    /// answer at all, which reading the head will report), `Ok(false)`
-    /// when interim answers have filled the most a head may take (no more
-    /// is read), an error at the connection's end.
-    fn poll_answer(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<bool>> {
+    /// Reads what the upstream has sent while the request goes out, noting
+    /// in `early` when a final answer begins: `Ready(Ok(()))` when no more
+    /// is to be read meanwhile (interim answers past the most a head may
+    /// take, or [`READ_WHILE_WRITING`] of an answer), an error at the
+    /// connection's end, `Pending` otherwise.
+    fn poll_upstream(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         loop {
-            match early(&self.buf) {
-                Early::Final => return Poll::Ready(Ok(true)),
-                Early::TooLong => return Poll::Ready(Ok(false)),
-                Early::NotYet => {}
+            if self.early.is_none() {
+                match early(&self.buf) {
+                    Early::Final(status) => self.early = Some(status),
+                    Early::TooLong => return Poll::Ready(Ok(())),
+                    Early::NotYet => {}
+                }
+            }
+            if self.early.is_some() && self.buf.len() >= READ_WHILE_WRITING {
+                return Poll::Ready(Ok(()));
             }
             self.make_room();
             let read = tokio_util::io::poll_read_buf(Pin::new(&mut self.stream), cx, &mut self.buf);
@@ -409,13 +424,19 @@ impl Conn {
     }
 }
 
+/// Whether an answer begun early (its status, `None` for bytes that are
+/// no answer) says the upstream wants no more of the body: an error.
+fn stops_the_body(status: Option<StatusCode>) -> bool {
+    status.is_none_or(|status| status.is_client_error() || status.is_server_error())
+}
+
 /// What the bytes an upstream sent while the request was still going out
 /// say (see [`Conn::write_body`]).
 enum Early {
     /// Nothing, interim answers, or too little to tell.
     NotYet,
-    /// A final answer's status line, or bytes that are not an answer.
-    Final,
+    /// A final answer's status, or `None`: bytes that are not an answer.
+    Final(Option<StatusCode>),
     /// Interim answers past the most a head may take.
     TooLong,
 }
@@ -427,7 +448,7 @@ fn early(buf: &[u8]) -> Early {
         at += buf[at..].iter().take_while(|b| matches!(b, b'\r' | b'\n')).count();
         let head = &buf[at..];
         match status_line(head) {
-            Some(status) if !status.is_informational() => return Early::Final,
+            Some(status) if !status.is_informational() => return Early::Final(Some(status)),
             // An interim answer: what follows it, once it is whole.
             Some(_) => match head.windows(2).position(|w| w == b"\n\n" || w == b"\n\r") {
                 Some(end) if head.get(end + 1) == Some(&b'\n') => at += end + 2,
@@ -439,7 +460,7 @@ fn early(buf: &[u8]) -> Early {
             None if head.len() < 12 && head.iter().zip(b"HTTP/1.x ").all(|(a, b)| a == b || *b == b'x') => {
                 return Early::NotYet;
             }
-            None => return Early::Final,
+            None => return Early::Final(None),
         }
     }
 }
@@ -501,7 +522,7 @@ impl UpstreamClient {
         };
         let mut body = body;
         let (response, framing, keep_alive) = loop {
-            let sent = match write_request(&mut conn, &parts, &key.authority, body).await {
+            let sent = match write_request(&mut conn, &parts, &key.authority, body, begun).await {
                 Ok(()) => read_head(&mut conn, head_only, begun).await,
                 // Not a byte of the request left: a pooled connection the
                 // upstream reset or closed before the runtime noticed is
@@ -542,6 +563,7 @@ impl UpstreamClient {
                 Err(error) => return Err(error),
             }
         };
+        let keep_alive = keep_alive && conn.early.is_none();
         let mut body = UpstreamResponseBody {
             conn: Some(conn),
             framing,
@@ -572,6 +594,7 @@ impl UpstreamClient {
                 stream,
                 buf: BytesMut::new(),
                 idle_since: coarse_now(),
+                early: None,
             })
         };
         match tokio::time::timeout_at(deadline, connect).await {
@@ -728,6 +751,7 @@ async fn write_request(
     parts: &http::request::Parts,
     authority: &Authority,
     body: ClientBody,
+    begun: Option<&HeadBegun>,
 ) -> Result<(), WriteFailure> {
     match body {
         ClientBody::Whole(bytes) => {
@@ -741,7 +765,7 @@ async fn write_request(
                 return Err(WriteFailure::Unsent(error, ClientBody::Whole(bytes)));
             }
             if !coalesced {
-                conn.write_body(whole).await?;
+                conn.write_body(whole, begun).await?;
             }
             reuse_head(head);
         }
@@ -765,13 +789,13 @@ async fn write_request(
                     chunk.extend_from_slice(b"\r\n");
                     chunk.extend_from_slice(&data);
                     chunk.extend_from_slice(b"\r\n");
-                    conn.write_body(&chunk).await?;
+                    conn.write_body(&chunk, begun).await?;
                 } else {
-                    conn.write_body(&data).await?;
+                    conn.write_body(&data, begun).await?;
                 }
             }
             if length.is_none() {
-                conn.write_body(b"0\r\n\r\n").await?;
+                conn.write_body(b"0\r\n\r\n", begun).await?;
             }
         }
     }
@@ -1161,6 +1185,7 @@ mod tests {
                 stream: Stream::Plain(tcp),
                 buf: BytesMut::new(),
                 idle_since,
+                early: None,
             },
             peer,
         )
@@ -1239,6 +1264,7 @@ mod tests {
                 stream: Stream::Plain(tcp),
                 buf: BytesMut::new(),
                 idle_since: coarse_now(),
+                early: None,
             },
         );
         let answer = upstream.request(post(), OnStale::Fail, None).await.unwrap();
