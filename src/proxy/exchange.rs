@@ -265,7 +265,14 @@ impl ClaimGuard {
             // Releasing could let a retry run the request twice, and so could
             // letting the lease run out: keep the claim and keep trying.
             Err(error) => {
-                tracing::error!(key = %self.key.tag(), error = %error_chain(&error), "completing the record failed; retrying");
+                // At most a line a second: a store that fails does so for
+                // every exchange in flight.
+                telemetry::throttled!(
+                    tracing::Level::ERROR,
+                    error,
+                    "completing the record failed; retrying",
+                    key = %self.key.tag()
+                );
                 // Tracked, so a shutdown gives it `shutdown_grace` to land;
                 // the claim it holds stays counted as held until it ends.
                 let retry = retry_completion(

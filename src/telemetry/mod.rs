@@ -26,8 +26,13 @@ pub fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
+        // A cause that says what the error before it said already (the
+        // redis crate's errors repeat their own) is said once.
+        let said = cause.to_string();
+        if !text.ends_with(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
         source = cause.source();
     }
     text
@@ -86,17 +91,25 @@ impl Default for Throttle {
     }
 }
 
-/// `tracing::warn!(fields.., "message")` with `error`'s chain, from each
-/// place it is written at most once a second (a [`Throttle`] of its own),
-/// with `suppressed`.
-macro_rules! warn_throttled {
-    ($error:expr, $message:literal, $($field:tt)+) => {{
+/// `tracing::event!(level, fields.., "message")` with `error`'s chain,
+/// from each place it is written at most once a second (a [`Throttle`] of
+/// its own), with `suppressed`.
+macro_rules! throttled {
+    ($level:expr, $error:expr, $message:literal, $($field:tt)+) => {{
         static THROTTLE: $crate::telemetry::Throttle = $crate::telemetry::Throttle::new();
         if let Some(suppressed) = THROTTLE.admit() {
             let error = $crate::telemetry::error_chain(&$error);
-            tracing::warn!($($field)+, %error, suppressed, $message);
+            tracing::event!($level, $($field)+, %error, suppressed, $message);
         }
     }};
+}
+pub(crate) use throttled;
+
+/// [`throttled`] at `WARN`.
+macro_rules! warn_throttled {
+    ($($args:tt)+) => {
+        $crate::telemetry::throttled!(tracing::Level::WARN, $($args)+)
+    };
 }
 pub(crate) use warn_throttled;
 
@@ -135,6 +148,34 @@ pub fn init() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An error, by its text, and its source.
+    #[derive(Debug)]
+    struct Said(&'static str, Option<Box<Said>>);
+
+    impl std::fmt::Display for Said {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Said {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|e| e as _)
+        }
+    }
+
+    #[test]
+    fn a_cause_that_repeats_the_error_before_it_is_said_once() {
+        let said = |text, source: Option<Said>| Said(text, source.map(Box::new));
+        let repeated = said(
+            "store unavailable",
+            Some(said("OOM: no room", Some(said("OOM: no room", None)))),
+        );
+        assert_eq!(error_chain(&repeated), "store unavailable: OOM: no room");
+        let distinct = said("a", Some(said("b", Some(said("c", None)))));
+        assert_eq!(error_chain(&distinct), "a: b: c");
+    }
 
     /// By default idemgate's own lines from `info` up, and of the Redis
     /// client's only its errors.
