@@ -705,3 +705,52 @@ async fn an_absolute_form_targets_host_is_the_scopes() {
     }
     assert_eq!(upstream.hits(), 1);
 }
+
+/// A pass-through upload from a slow client, longer in all than
+/// `upstream.timeout`, to an upstream that reads it as it comes: the
+/// waits on the client do not count (the upstream's time does), as nginx
+/// counts only the time between two writes.
+#[tokio::test]
+async fn a_slow_clients_pass_through_upload_is_not_cut_at_upstream_timeout() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut read = Vec::new();
+        while !read.ends_with(b"0\r\n\r\n") {
+            let mut chunk = [0u8; 4096];
+            match socket.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => read.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let _ = socket
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\ndone")
+            .await;
+        tokio::time::sleep(Duration::from_secs(30)).await;
+    });
+    let proxy = Proxy::start(&url, "[upstream]\ntimeout = \"1s\"\n").await;
+    let mut client = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    client
+        .write_all(b"POST /uploads HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n")
+        .await
+        .unwrap();
+    // Two seconds of upload, a chunk every 400 ms.
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        client.write_all(b"5\r\nhello\r\n").await.unwrap();
+    }
+    client.write_all(b"0\r\n\r\n").await.unwrap();
+    let mut answer = Vec::new();
+    while !answer.ends_with(b"done") {
+        let mut chunk = [0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(10), client.read(&mut chunk))
+            .await
+            .expect("an answer")
+            .unwrap();
+        assert!(n > 0, "closed: {}", String::from_utf8_lossy(&answer));
+        answer.extend_from_slice(&chunk[..n]);
+    }
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}

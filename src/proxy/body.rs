@@ -3,7 +3,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -42,6 +42,60 @@ pub struct H2Body {
     /// Whether the timer counts the current wait (a frame came since it
     /// was set, or it was never set, when not).
     armed: bool,
+    waits: Option<Arc<ClientWaits>>,
+}
+
+/// How long a streamed body has kept its reader waiting on the client (a
+/// slow upload): what a pass-through exchange's `upstream.timeout` leaves
+/// out, as it counts the upstream's time. On the coarse clock, in ms from
+/// `origin`.
+pub struct ClientWaits {
+    origin: tokio::time::Instant,
+    total: AtomicU64,
+    /// When the wait going on began (0: none is).
+    since: AtomicU64,
+}
+
+impl ClientWaits {
+    fn new() -> ClientWaits {
+        ClientWaits {
+            origin: crate::clock::coarse_now(),
+            total: AtomicU64::new(0),
+            since: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        let elapsed = crate::clock::coarse_now().saturating_duration_since(self.origin);
+        u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX).max(1)
+    }
+
+    /// The reader found nothing to read.
+    fn waiting(&self) {
+        if self.since.load(Ordering::Relaxed) == 0 {
+            self.since.store(self.now(), Ordering::Relaxed);
+        }
+    }
+
+    /// Something came (or the end).
+    fn came(&self) {
+        let since = self.since.swap(0, Ordering::Relaxed);
+        if since != 0 {
+            self.total
+                .fetch_add(self.now().saturating_sub(since), Ordering::Relaxed);
+        }
+    }
+
+    /// All the waiting so far, the wait going on included.
+    pub fn waited(&self) -> Duration {
+        let since = self.since.load(Ordering::Relaxed);
+        let going_on = if since == 0 {
+            0
+        } else {
+            self.now().saturating_sub(since)
+        };
+        Duration::from_millis(self.total.load(Ordering::Relaxed) + going_on)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +113,7 @@ pub struct Fed {
     /// The declared length still to come; `None` when chunked.
     left: Option<u64>,
     ended: bool,
+    waits: Option<Arc<ClientWaits>>,
 }
 
 /// The listener's half of a fed body.
@@ -81,7 +136,19 @@ impl ClientBody {
             idle,
             timer: None,
             armed: false,
+            waits: None,
         }))
+    }
+
+    /// Counts from here on how long reading this body waits on the client
+    /// (none for a whole body).
+    pub fn count_waits(&mut self) -> Option<Arc<ClientWaits>> {
+        let waits = match self {
+            ClientBody::Whole(_) => return None,
+            ClientBody::H2(h2) => &mut h2.waits,
+            ClientBody::Fed(fed) => &mut fed.waits,
+        };
+        Some(waits.get_or_insert_with(|| Arc::new(ClientWaits::new())).clone())
     }
 
     pub fn whole(bytes: Bytes) -> ClientBody {
@@ -104,6 +171,7 @@ impl ClientBody {
             wanted,
             left: length,
             ended: false,
+            waits: None,
         };
         (
             Feed {
@@ -125,9 +193,15 @@ impl Body for ClientBody {
             ClientBody::H2(h2) => match Pin::new(&mut h2.incoming).poll_frame(cx) {
                 Poll::Ready(frame) => {
                     h2.armed = false;
+                    if let Some(waits) = &h2.waits {
+                        waits.came();
+                    }
                     Poll::Ready(frame.map(|frame| frame.map_err(Into::into)))
                 }
                 Poll::Pending => {
+                    if let Some(waits) = &h2.waits {
+                        waits.waiting();
+                    }
                     let idle = h2.idle;
                     if !h2.armed {
                         let due = tokio::time::Instant::now() + idle;
@@ -149,7 +223,18 @@ impl Body for ClientBody {
                 if let Some(wanted) = fed.wanted.take() {
                     let _ = wanted.send(());
                 }
-                let item = ready!(fed.items.poll_recv(cx));
+                let item = match fed.items.poll_recv(cx) {
+                    Poll::Ready(item) => item,
+                    Poll::Pending => {
+                        if let Some(waits) = &fed.waits {
+                            waits.waiting();
+                        }
+                        return Poll::Pending;
+                    }
+                };
+                if let Some(waits) = &fed.waits {
+                    waits.came();
+                }
                 Poll::Ready(match item {
                     Some(Ok(Some(data))) => {
                         if let Some(left) = &mut fed.left {

@@ -721,16 +721,26 @@ impl Gateway {
         forward::prepare(&mut request, upstream, peer);
         let started = Instant::now();
         let deadline = started + self.config.upstream.timeout;
+        // The upstream's time: waits on a slow client's upload move the
+        // deadline on, as nginx counts only the time between two writes.
+        let waits = request.body_mut().count_waits();
+        let waited = || waits.as_ref().map_or(std::time::Duration::ZERO, |waits| waits.waited());
         // Boxed: inline, the upstream request (~2 KB) would size the future
         // of every request, including the idempotent ones that reach this
         // path only to refuse or bypass.
-        let sent =
-            tokio::time::timeout_at(deadline, Box::pin(self.context.client.request(request, on_stale, None))).await;
+        let mut sending = Box::pin(self.context.client.request(request, on_stale, None));
+        let sent = loop {
+            let until = deadline + waited();
+            match tokio::time::timeout_at(until, &mut sending).await {
+                Err(_) if deadline + waited() > until => continue,
+                sent => break sent,
+            }
+        };
         self.context.metrics.upstream_latency.observe(started.elapsed());
         match sent {
             Ok(Ok(response)) => {
                 let (head, body) = response.into_parts();
-                let deadline = Box::pin(tokio::time::sleep_until(deadline));
+                let deadline = Box::pin(tokio::time::sleep_until(deadline + waited()));
                 Response::from_parts(
                     head,
                     ResponseBody::Upstream {
