@@ -89,6 +89,9 @@ const CHAINED: u64 = 2;
 /// (deleted, or a backup of the file restored without the log), and with
 /// it the records it held. Absent in files from before it was kept.
 const MADE: &str = "made";
+/// Set once a store that seals each segment it moves on from (see
+/// [`SEALED`]) has opened the file: the segments it wrote end in seals.
+const SEALING: &str = "sealing";
 
 /// Most reads of the file running at once.
 const FILE_READS: usize = 64;
@@ -512,6 +515,8 @@ impl EmbeddedStore {
                 let applied_below = meta.get(APPLIED_BELOW).map_err(unavailable)?.map_or(0, |v| v.value());
                 let chained = meta.get(LOG_FORMAT).map_err(unavailable)?.map(|v| v.value()) == Some(CHAINED);
                 let made = meta.get(MADE).map_err(unavailable)?.map(|v| v.value());
+                // Written by a store that seals each segment it moves on from.
+                let sealing = meta.get(SEALING).map_err(unavailable)?.is_some();
                 Wal::none_missing(path, &segments, applied_below, made)
                     .map_err(|failure| StoreError::Unavailable(failure.into()))?;
                 next = segments.last().map_or(1, |(n, _)| n + 1).max(applied_below);
@@ -519,7 +524,11 @@ impl EmbeddedStore {
                 // The segments written from here on; those replayed now are
                 // never read again.
                 meta.insert(LOG_FORMAT, CHAINED).map_err(unavailable)?;
+                meta.insert(SEALING, 1).map_err(unavailable)?;
                 let mut table = txn.open_table(RECORDS).map_err(unavailable)?;
+                // The segment before this one, when its entries ended
+                // without its seal.
+                let mut unsealed = None;
                 // Segments below `applied_below` are in the file already
                 // (a crash came between a checkpoint and their removal).
                 for (n, segment) in segments.iter().filter(|(n, _)| *n >= applied_below) {
@@ -539,16 +548,32 @@ impl EmbeddedStore {
                         );
                     }
                     let (entries, damaged, sealed) = Wal::replayable(&bytes, *n, chained);
+                    // The log moved on from the segment before, which this
+                    // one's entries say, and its seal was not read: its
+                    // last entries were lost to damage (two fields of one
+                    // entry, or the last entries), with no word of it from
+                    // the entries themselves. (A segment made as a crash
+                    // came, before the seal was written, holds nothing.)
+                    if let Some(before) = unsealed.take()
+                        && before + 1 == *n
+                        && !(entries.is_empty() && damaged.is_empty())
+                    {
+                        tracing::error!(
+                            segment = %Wal::segment_path(path, before).display(),
+                            "the embedded store's log is damaged: this segment's last entries, and its seal, \
+                             cannot be read (its entries past the last one replayed are lost)"
+                        );
+                        damaged_segments.push(before);
+                    }
+                    if sealing && sealed.is_none() && damaged.iter().all(|&(_, repaired)| repaired) {
+                        unsealed = Some(*n);
+                    }
                     // Sealed for a segment not there: the newest, made
                     // since the last checkpoint, and lost with what it held.
                     if let Some(sealed) = sealed
                         && segments.binary_search_by_key(&sealed, |(n, _)| *n).is_err()
                     {
-                        // Only it would name one made after it.
-                        let failure = format!(
-                            "{} (any made after it are missing too: restore them all)",
-                            Wal::missing(path, sealed, sealed)
-                        );
+                        let failure = Wal::missing(path, sealed, sealed, true);
                         return Err(StoreError::Unavailable(failure.into()));
                     }
                     for (key, change) in entries {
@@ -1036,21 +1061,30 @@ impl Wal {
             .take_while(|n| present.binary_search(n).is_err())
             .last()
             .unwrap_or(missing);
-        Err(Wal::missing(path, missing, through))
+        // Nothing there after it: later ones may be gone too.
+        let open_ended = !present.iter().any(|&n| n > through);
+        Err(Wal::missing(path, missing, through, open_ended))
     }
 
     /// The refusal of a log whose segments `missing` to `through` are not
-    /// there.
-    fn missing(path: &Path, missing: u64, through: u64) -> String {
+    /// there, and, `open_ended`, perhaps any made after them (none after
+    /// them is there to say).
+    fn missing(path: &Path, missing: u64, through: u64, open_ended: bool) -> String {
         let named = |n| Wal::segment_path(path, n).display().to_string();
         let which = if through == missing {
             format!("the log segment {} is missing", named(missing))
         } else {
             format!("the log segments {} to {} are missing", named(missing), named(through))
         };
+        let after = if open_ended {
+            " (any made after it are missing too, as none after it is there to say: restore them all; \
+             touched empty, it would open without them)"
+        } else {
+            ""
+        };
         format!(
             "{which}, and with them the records they held (retries of their requests would run \
-             again): restore them, or create them empty (touch each) to go on without them"
+             again){after}: restore them, or create them empty (touch each) to go on without them"
         )
     }
 
@@ -2377,35 +2411,9 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_newest_segment_missing_is_refused_before_a_checkpoint_records_it() {
         let dir = scratch();
-        let path = dir.path().join("n.redb");
         let (fingerprint, lease) = (Fingerprint([1; 32]), Duration::from_secs(30));
         let (first, second) = (RecordKey([50; 32]), RecordKey([51; 32]));
-        let store = EmbeddedStore::open(&path).unwrap();
-        // Checkpoints hang on this transaction: none lands from here on.
-        let blocker = store.shared.db.begin_write().unwrap();
-        let claim = store.claim(&first, &fingerprint, Owner::new(), lease, None);
-        assert_eq!(claim.await.unwrap(), Claim::Claimed);
-        let before = Wal::segments(&path).unwrap();
-        // A checkpoint falls due: the log moves on to a new segment.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Wal::segments(&path).unwrap().len() == before.len() {
-            assert!(Instant::now() < deadline, "the log never moved on");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let claim = store.claim(&second, &fingerprint, Owner::new(), lease, None);
-        assert_eq!(claim.await.unwrap(), Claim::Claimed);
-        // What a crash now leaves on disk: the file as of its last commit
-        // (the blocker holds off any other) and the log.
-        let crashed = dir.path().join("crashed");
-        fs::create_dir(&crashed).unwrap();
-        let copy = crashed.join("n.redb");
-        fs::copy(&path, &copy).unwrap();
-        let segments = Wal::segments(&path).unwrap();
-        for (n, segment) in &segments {
-            fs::copy(segment, Wal::segment_path(&copy, *n)).unwrap();
-        }
-        drop(blocker);
-        drop(store);
+        let (copy, segments) = crashed_after_a_roll(dir.path(), &first, &second).await;
         let (newest, _) = segments.last().unwrap();
         let newest = Wal::segment_path(&copy, *newest);
         let saved = fs::read(&newest).unwrap();
@@ -2423,6 +2431,34 @@ mod tests {
             let claim = store.claim(key, &fingerprint, Owner::new(), lease, None);
             assert!(matches!(claim.await.unwrap(), Claim::InFlight { .. }));
         }
+    }
+
+    /// A segment whose last entry (here its only claim) is damaged in both
+    /// its length and its checksum reads as if it ended there, and its
+    /// seal is lost with it; the segment after it, holding entries, says
+    /// the log moved on. The damage is said (the segment kept aside), not
+    /// read as a torn end in silence.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_segment_that_lost_its_seal_before_one_with_entries_is_kept_aside() {
+        use std::os::unix::fs::FileExt;
+        let dir = scratch();
+        let (fingerprint, lease) = (Fingerprint([1; 32]), Duration::from_secs(30));
+        let (first, second) = (RecordKey([60; 32]), RecordKey([61; 32]));
+        let (copy, segments) = crashed_after_a_roll(dir.path(), &first, &second).await;
+        // The sealed one's first entry: length and checksum zeroed.
+        let (sealed, _) = segments[segments.len() - 2];
+        let damaged = Wal::segment_path(&copy, sealed);
+        File::options()
+            .write(true)
+            .open(&damaged)
+            .unwrap()
+            .write_all_at(&[0; 8], 0)
+            .unwrap();
+        let store = reopen(&copy);
+        assert!(!damaged.exists(), "the damaged segment was taken as whole");
+        assert!(Wal::named(&damaged, ".damaged").exists());
+        let claim = store.claim(&second, &fingerprint, Owner::new(), lease, None);
+        assert!(matches!(claim.await.unwrap(), Claim::InFlight { .. }));
     }
 
     /// A log segment that records may be in, missing (deleted, or a
@@ -2491,14 +2527,17 @@ mod tests {
         assert!(missing(&[1, 3, 4], 3, Some(3)).is_ok(), "retired, not yet removed");
         assert!(missing(&[], 3, Some(2)).is_ok(), "stopped before it was made");
         assert!(missing(&[4, 5], 3, None).is_ok(), "a file from before `made`");
-        for (ns, applied_below, made, name) in [
-            (&[][..], 3, Some(3), "s.redb-wal.000003"),
-            (&[4, 5][..], 3, Some(3), "s.redb-wal.000003"),
-            (&[3, 5][..], 3, Some(3), "s.redb-wal.000004"),
-            (&[3, 5][..], 3, None, "s.redb-wal.000004"),
+        // Named, and, where none after the gap is there, said to be
+        // perhaps the first of more.
+        for (ns, applied_below, made, name, open_ended) in [
+            (&[][..], 3, Some(3), "s.redb-wal.000003", true),
+            (&[4, 5][..], 3, Some(3), "s.redb-wal.000003", false),
+            (&[3, 5][..], 3, Some(3), "s.redb-wal.000004", false),
+            (&[3, 5][..], 3, None, "s.redb-wal.000004", false),
         ] {
             let refused = missing(ns, applied_below, made).unwrap_err();
             assert!(refused.contains(name), "{ns:?}: {refused}");
+            assert_eq!(refused.contains("any made after it"), open_ended, "{ns:?}: {refused}");
         }
         // A gap is named whole.
         let refused = missing(&[3, 6], 3, Some(3)).unwrap_err();
@@ -2799,6 +2838,41 @@ mod tests {
             assert!(dir.path().join(name).exists(), "{name} was removed");
         }
         assert!(store.ping().await.is_ok());
+    }
+
+    /// What a crash leaves of a store in `dir` that claimed `first`, moved
+    /// its log on to a new segment while its checkpoint hung (so the file
+    /// never recorded it), and claimed `second` there: a copy of the file
+    /// (as of its last commit) and of the log, in `dir/crashed`; with the
+    /// segments copied, oldest first.
+    async fn crashed_after_a_roll(dir: &Path, first: &RecordKey, second: &RecordKey) -> (PathBuf, Vec<(u64, PathBuf)>) {
+        let path = dir.join("s.redb");
+        let (fingerprint, lease) = (Fingerprint([1; 32]), Duration::from_secs(30));
+        let store = EmbeddedStore::open(&path).unwrap();
+        // Checkpoints hang on this transaction: none lands from here on.
+        let blocker = store.shared.db.begin_write().unwrap();
+        let claim = store.claim(first, &fingerprint, Owner::new(), lease, None);
+        assert_eq!(claim.await.unwrap(), Claim::Claimed);
+        let before = Wal::segments(&path).unwrap();
+        // A checkpoint falls due: the log moves on to a new segment.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Wal::segments(&path).unwrap().len() == before.len() {
+            assert!(Instant::now() < deadline, "the log never moved on");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let claim = store.claim(second, &fingerprint, Owner::new(), lease, None);
+        assert_eq!(claim.await.unwrap(), Claim::Claimed);
+        let crashed = dir.join("crashed");
+        fs::create_dir(&crashed).unwrap();
+        let copy = crashed.join("s.redb");
+        fs::copy(&path, &copy).unwrap();
+        let segments = Wal::segments(&path).unwrap();
+        for (n, segment) in &segments {
+            fs::copy(segment, Wal::segment_path(&copy, *n)).unwrap();
+        }
+        drop(blocker);
+        drop(store);
+        (copy, segments)
     }
 
     /// Opens `path` once the last store on it has let go of the file.
