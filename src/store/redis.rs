@@ -394,6 +394,8 @@ pub struct RedisStore {
     /// Records whose completion Redis refused for want of memory, until
     /// it lands.
     refused: Mutex<std::collections::HashSet<RecordKey>>,
+    /// Whether `refused` holds any.
+    any_refused: AtomicBool,
     scripts: Scripts,
     waiters: Arc<Waiters>,
     /// Whether the completion subscription is live.
@@ -615,6 +617,7 @@ impl RedisStore {
             full_said: AtomicU64::new(0),
             full_told: AtomicBool::new(false),
             refused: Mutex::default(),
+            any_refused: AtomicBool::new(false),
             scripts: Scripts::new(),
             waiters,
             listening,
@@ -707,6 +710,7 @@ impl RedisStore {
             if refused.len() >= REFUSED_KEPT {
                 refused.clear();
             }
+            self.any_refused.store(true, Ordering::Relaxed);
             refused.insert(*key)
         };
         if first {
@@ -716,8 +720,13 @@ impl RedisStore {
 
     /// Notes that the completion of `key` landed.
     fn completion_landed(&self, key: &RecordKey) {
-        if self.full_until.load(Ordering::Relaxed) != 0 || !lock(&self.refused).is_empty() {
-            lock(&self.refused).remove(key);
+        // Read, not locked, on every completion: the workers share it.
+        if self.any_refused.load(Ordering::Relaxed) {
+            let mut refused = lock(&self.refused);
+            refused.remove(key);
+            if refused.is_empty() {
+                self.any_refused.store(false, Ordering::Relaxed);
+            }
         }
     }
 
