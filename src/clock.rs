@@ -11,6 +11,16 @@ pub fn coarse_now() -> Instant {
     imp::coarse_now()
 }
 
+/// Milliseconds since the first call, on the coarse clock: a time to keep
+/// in an atomic. Never 0, so 0 can stand for "none".
+pub fn coarse_ms() -> u64 {
+    static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let now = coarse_now();
+    let origin = *ORIGIN.get_or_init(|| now);
+    let elapsed = now.saturating_duration_since(origin).as_millis();
+    u64::try_from(elapsed).unwrap_or(u64::MAX).saturating_add(1)
+}
+
 /// The most [`coarse_now`] lags the precise clock by: one tick.
 pub fn coarse_lag() -> std::time::Duration {
     imp::coarse_lag()

@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Sleep;
 
 use super::upstream::UpstreamResponseBody;
+use crate::clock::coarse_ms;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -47,33 +48,20 @@ pub struct H2Body {
 
 /// How long a streamed body has kept its reader waiting on the client (a
 /// slow upload): what a pass-through exchange's `upstream.timeout` leaves
-/// out, as it counts the upstream's time. On the coarse clock, in ms from
-/// `origin`.
+/// out, as it counts the upstream's time. In ms, on
+/// [`crate::clock::coarse_ms`].
+#[derive(Default)]
 pub struct ClientWaits {
-    origin: tokio::time::Instant,
     total: AtomicU64,
     /// When the wait going on began (0: none is).
     since: AtomicU64,
 }
 
 impl ClientWaits {
-    fn new() -> ClientWaits {
-        ClientWaits {
-            origin: crate::clock::coarse_now(),
-            total: AtomicU64::new(0),
-            since: AtomicU64::new(0),
-        }
-    }
-
-    fn now(&self) -> u64 {
-        let elapsed = crate::clock::coarse_now().saturating_duration_since(self.origin);
-        u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX).max(1)
-    }
-
     /// The reader found nothing to read.
     fn waiting(&self) {
         if self.since.load(Ordering::Relaxed) == 0 {
-            self.since.store(self.now(), Ordering::Relaxed);
+            self.since.store(coarse_ms(), Ordering::Relaxed);
         }
     }
 
@@ -82,7 +70,7 @@ impl ClientWaits {
         let since = self.since.swap(0, Ordering::Relaxed);
         if since != 0 {
             self.total
-                .fetch_add(self.now().saturating_sub(since), Ordering::Relaxed);
+                .fetch_add(coarse_ms().saturating_sub(since), Ordering::Relaxed);
         }
     }
 
@@ -92,7 +80,7 @@ impl ClientWaits {
         let going_on = if since == 0 {
             0
         } else {
-            self.now().saturating_sub(since)
+            coarse_ms().saturating_sub(since)
         };
         Duration::from_millis(self.total.load(Ordering::Relaxed) + going_on)
     }
@@ -148,7 +136,7 @@ impl ClientBody {
             ClientBody::H2(h2) => &mut h2.waits,
             ClientBody::Fed(fed) => &mut fed.waits,
         };
-        Some(waits.get_or_insert_with(|| Arc::new(ClientWaits::new())).clone())
+        Some(waits.get_or_insert_default().clone())
     }
 
     pub fn whole(bytes: Bytes) -> ClientBody {

@@ -105,6 +105,10 @@ impl HeadBegun {
     pub fn status(&self) -> Option<StatusCode> {
         StatusCode::from_u16(self.0.load(Ordering::Relaxed)).ok()
     }
+
+    fn note(&self, status: StatusCode) {
+        self.0.store(status.as_u16(), Ordering::Relaxed);
+    }
 }
 
 impl UpstreamError {
@@ -358,11 +362,7 @@ impl Conn {
         std::future::poll_fn(|cx| {
             loop {
                 if watching {
-                    let heard = self.poll_upstream(cx);
-                    if let (Some(begun), Some(Some(status))) = (begun, self.early) {
-                        begun.0.store(status.as_u16(), Ordering::Relaxed);
-                    }
-                    match heard {
+                    match self.poll_upstream(cx, begun) {
                         Poll::Ready(Ok(())) => watching = false,
                         Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
                         Poll::Pending => {}
@@ -398,15 +398,20 @@ impl Conn {
     }
 
     /// Reads what the upstream has sent while the request goes out, noting
-    /// in `early` when a final answer begins: `Ready(Ok(()))` when no more
+    /// in `early` (and `begun`) when a final answer begins: `Ready(Ok(()))` when no more
     /// is to be read meanwhile (interim answers past the most a head may
     /// take, or [`READ_WHILE_WRITING`] of an answer), an error at the
     /// connection's end, `Pending` otherwise.
-    fn poll_upstream(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+    fn poll_upstream(&mut self, cx: &mut Context<'_>, begun: Option<&HeadBegun>) -> Poll<io::Result<()>> {
         loop {
             if self.early.is_none() {
                 match early(&self.buf) {
-                    Early::Final(status) => self.early = Some(status),
+                    Early::Final(status) => {
+                        self.early = Some(status);
+                        if let (Some(begun), Some(status)) = (begun, status) {
+                            begun.note(status);
+                        }
+                    }
                     Early::TooLong => return Poll::Ready(Ok(())),
                     Early::NotYet => {}
                 }
@@ -937,7 +942,7 @@ async fn read_head(
         if let Some(begun) = begun
             && let Some(status) = status_line(&conn.buf).filter(|s| !s.is_informational())
         {
-            begun.0.store(status.as_u16(), Ordering::Relaxed);
+            begun.note(status);
         }
         if conn.fill().await.map_err(|error| broke_off(&conn.buf, error))? == 0 {
             return Err(broke_off(

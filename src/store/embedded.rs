@@ -554,8 +554,9 @@ impl EmbeddedStore {
                     // entry, or the last entries), with no word of it from
                     // the entries themselves. (A segment made as a crash
                     // came, before the seal was written, holds nothing.)
+                    // (Segments to replay follow each other: a gap was
+                    // refused above.)
                     if let Some(before) = unsealed.take()
-                        && before + 1 == *n
                         && !(entries.is_empty() && damaged.is_empty())
                     {
                         tracing::error!(

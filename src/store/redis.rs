@@ -49,7 +49,7 @@ use super::codec::{self, Decoded};
 use super::resp;
 use super::waiters::Waiters;
 use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
-use crate::clock::coarse_now;
+use crate::clock::coarse_ms;
 use crate::telemetry::error_chain;
 
 /// Completions and releases are announced here, payload the record's key.
@@ -184,10 +184,10 @@ const COMPLETE_MANY: &str = concat!(
 );
 
 /// How long Redis is taken to be out of memory after it refused a write
-/// so (see [`RedisStore::fill`]).
+/// so (see [`OutOfMemory`]).
 const FULL_HOLD: Duration = Duration::from_secs(5);
 /// Most records kept as refused for want of memory (see
-/// [`RedisStore::completion_refused`]).
+/// [`OutOfMemory::refused`]).
 const REFUSED_KEPT: usize = 4096;
 
 /// Whether `error` is Redis's refusal for want of memory.
@@ -196,6 +196,113 @@ fn out_of_memory(error: &RedisError) -> bool {
 }
 const OUT_OF_MEMORY: &str = "Redis is out of memory (maxmemory reached under noeviction): no new claim is taken, \
                              as its answer could not be recorded";
+
+/// Whether Redis refuses records for want of memory (`OOM`: `maxmemory`
+/// reached under `noeviction`), as its refusals say. A claim is small and
+/// may still fit where its answer will not: the completion is then
+/// refused on every try, its retries get 409 until `ttl`, and the backend
+/// ran a request whose answer is not kept. So for [`FULL_HOLD`] after a
+/// refusal ([`OutOfMemory::fill`]) no new claim is taken (503, before the
+/// backend sees it), the store is not ready, and records already there
+/// are still read and replayed.
+struct OutOfMemory {
+    /// Until when (on [`crate::clock::coarse_ms`]) Redis is taken to be
+    /// out of memory; 0: it is not.
+    until: AtomicU64,
+    /// At most once a minute (on a Redis Cluster one full node fills the
+    /// whole store, and its episodes come and go as completions land on
+    /// it or on the others); `told`: this episode was said, so its end is.
+    said: crate::telemetry::Throttle,
+    told: AtomicBool,
+    /// Records whose completion Redis refused, until it lands; `any`:
+    /// whether it holds one, read (not locked) on every completion, as
+    /// the workers share it.
+    refused: Mutex<std::collections::HashSet<RecordKey>>,
+    any: AtomicBool,
+}
+
+impl OutOfMemory {
+    fn new() -> OutOfMemory {
+        OutOfMemory {
+            until: AtomicU64::new(0),
+            said: crate::telemetry::Throttle::every(Duration::from_secs(60)),
+            told: AtomicBool::new(false),
+            refused: Mutex::default(),
+            any: AtomicBool::new(false),
+        }
+    }
+
+    /// Notes a refusal of a claim, the probe or a wait's mark: Redis has
+    /// no room even for a few bytes.
+    fn note(&self, error: Option<&RedisError>) {
+        if error.is_some_and(out_of_memory) {
+            self.fill();
+        }
+    }
+
+    /// Notes that Redis refused the completion of `key`. Its first refusal
+    /// fills the store; its own later ones do not, as one answer larger
+    /// than the room left is refused on every try while smaller ones land,
+    /// and must not keep new claims out until its `ttl`.
+    fn refused(&self, key: &RecordKey) {
+        let first = {
+            let mut refused = lock(&self.refused);
+            // Records given up on (their `ttl` passed) are never removed:
+            // bounded by forgetting them all now and then.
+            if refused.len() >= REFUSED_KEPT {
+                refused.clear();
+            }
+            self.any.store(true, Ordering::Relaxed);
+            refused.insert(*key)
+        };
+        if first {
+            self.fill();
+        }
+    }
+
+    /// Notes that the completion of `key` landed.
+    fn landed(&self, key: &RecordKey) {
+        if self.any.load(Ordering::Relaxed) {
+            let mut refused = lock(&self.refused);
+            refused.remove(key);
+            if refused.is_empty() {
+                self.any.store(false, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Takes Redis to be out of memory for [`FULL_HOLD`] from now.
+    fn fill(&self) {
+        if self.until.swap(coarse_ms() + ms(FULL_HOLD), Ordering::Relaxed) == 0 && self.said.admit().is_some() {
+            self.told.store(true, Ordering::Relaxed);
+            tracing::error!(
+                "Redis is out of memory (maxmemory, noeviction) and refuses records: new claims are refused \
+                 (503) until it takes them again; records already stored are still replayed"
+            );
+        }
+    }
+
+    /// Whether Redis refused a write for want of memory within the last
+    /// [`FULL_HOLD`].
+    fn full(&self) -> bool {
+        let until = self.until.load(Ordering::Relaxed);
+        if until == 0 {
+            return false;
+        }
+        if coarse_ms() < until {
+            return true;
+        }
+        if self
+            .until
+            .compare_exchange(until, 0, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+            && self.told.swap(false, Ordering::Relaxed)
+        {
+            tracing::info!("Redis refused no write for want of memory for a while: new claims are taken again");
+        }
+        false
+    }
+}
 
 /// A batch of completions goes to Redis in calls of at most this many, or
 /// about this many bytes: a script blocks the server while it runs.
@@ -383,19 +490,7 @@ impl<T: Clone + Send> PerThread<T> {
 pub struct RedisStore {
     connection: Connection,
     prefix: KeyPrefix,
-    /// Until when (ms after `started`) Redis is taken to be out of memory
-    /// (see [`RedisStore::note_memory`]); 0: it is not.
-    full_until: AtomicU64,
-    started: tokio::time::Instant,
-    /// When (ms after `started`) Redis being out of memory was last said,
-    /// and whether it was said of this episode (its end is said too).
-    full_said: AtomicU64,
-    full_told: AtomicBool,
-    /// Records whose completion Redis refused for want of memory, until
-    /// it lands.
-    refused: Mutex<std::collections::HashSet<RecordKey>>,
-    /// Whether `refused` holds any.
-    any_refused: AtomicBool,
+    memory: OutOfMemory,
     scripts: Scripts,
     waiters: Arc<Waiters>,
     /// Whether the completion subscription is live.
@@ -612,12 +707,7 @@ impl RedisStore {
         RedisStore {
             connection,
             prefix,
-            full_until: AtomicU64::new(0),
-            started: coarse_now(),
-            full_said: AtomicU64::new(0),
-            full_told: AtomicBool::new(false),
-            refused: Mutex::default(),
-            any_refused: AtomicBool::new(false),
+            memory: OutOfMemory::new(),
             scripts: Scripts::new(),
             waiters,
             listening,
@@ -628,6 +718,11 @@ impl RedisStore {
             _subscriber: AbortOnDrop(subscriber),
             _eviction_check: AbortOnDrop(eviction_check),
         }
+    }
+
+    /// The Redis key of the record `key`, under this store's prefix.
+    fn redis_key(&self, key: &RecordKey) -> RedisKey {
+        RedisKey::of(&self.prefix, key)
     }
 
     /// This thread's connection.
@@ -671,7 +766,7 @@ impl RedisStore {
 
     /// [`RedisStore::eval`] of a script that writes a few bytes at most (a
     /// claim, the probe, a wait's mark): refused for want of memory, it
-    /// fills the store (see [`RedisStore::note_memory`]).
+    /// fills the store (see [`OutOfMemory`]).
     async fn eval_filling<T: redis::FromRedisValue>(
         &self,
         script: &Lua,
@@ -681,104 +776,8 @@ impl RedisStore {
         let mut connection = self.connection().await?;
         let result = Self::eval_with(&mut connection, script, &[key], args).await;
         self.note_scripts(result.as_ref().err());
-        self.note_memory(result.as_ref().err());
+        self.memory.note(result.as_ref().err());
         result.map_err(unavailable)
-    }
-
-    /// Notes a refusal for want of memory (`OOM`: `maxmemory` reached under
-    /// `noeviction`) of a claim, a probe or a wait's mark: Redis has no
-    /// room even for a few bytes. See [`RedisStore::fill`].
-    fn note_memory(&self, error: Option<&RedisError>) {
-        if error.is_some_and(out_of_memory) {
-            self.fill();
-        }
-    }
-
-    /// Notes that Redis refused the completion of `key` for want of memory.
-    /// A claim is small and may still fit where its answer will not: the
-    /// completion is then refused on every try, its retries get 409 until
-    /// `ttl`, and the backend ran a request whose answer is not kept. So
-    /// the first refusal of a record fills the store (see
-    /// [`RedisStore::fill`]); its own later ones do not, as one answer
-    /// larger than the room left is refused on every try while smaller
-    /// ones land, and must not keep new claims out until its `ttl`.
-    fn completion_refused(&self, key: &RecordKey) {
-        let first = {
-            let mut refused = lock(&self.refused);
-            // Records given up on (their `ttl` passed) are never removed:
-            // bounded by forgetting them all now and then.
-            if refused.len() >= REFUSED_KEPT {
-                refused.clear();
-            }
-            self.any_refused.store(true, Ordering::Relaxed);
-            refused.insert(*key)
-        };
-        if first {
-            self.fill();
-        }
-    }
-
-    /// Notes that the completion of `key` landed.
-    fn completion_landed(&self, key: &RecordKey) {
-        // Read, not locked, on every completion: the workers share it.
-        if self.any_refused.load(Ordering::Relaxed) {
-            let mut refused = lock(&self.refused);
-            refused.remove(key);
-            if refused.is_empty() {
-                self.any_refused.store(false, Ordering::Relaxed);
-            }
-        }
-    }
-
-    /// Takes Redis to be out of memory for [`FULL_HOLD`] from now: no new
-    /// claim is taken (503, before the backend sees it), the store is not
-    /// ready, and records already there are still read and replayed. Said
-    /// once an episode, and no more than once a minute (on a Redis Cluster
-    /// one full node fills the whole store, and its episodes come and go
-    /// as completions land on it or on the others).
-    fn fill(&self) {
-        let now = self.now_ms();
-        if self.full_until.swap(now + ms(FULL_HOLD), Ordering::Relaxed) != 0 {
-            return;
-        }
-        let said = self.full_said.load(Ordering::Relaxed);
-        if (said == 0 || now >= said + 60_000)
-            && self
-                .full_said
-                .compare_exchange(said, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            self.full_told.store(true, Ordering::Relaxed);
-            tracing::error!(
-                "Redis is out of memory (maxmemory, noeviction) and refuses records: new claims are refused \
-                 (503) until it takes them again; records already stored are still replayed"
-            );
-        }
-    }
-
-    /// Whether Redis refused a write for want of memory within the last
-    /// [`FULL_HOLD`].
-    fn full(&self) -> bool {
-        let until = self.full_until.load(Ordering::Relaxed);
-        if until == 0 {
-            return false;
-        }
-        if self.now_ms() < until {
-            return true;
-        }
-        if self
-            .full_until
-            .compare_exchange(until, 0, Ordering::Relaxed, Ordering::Relaxed)
-            .is_ok()
-            && self.full_told.swap(false, Ordering::Relaxed)
-        {
-            tracing::info!("Redis refused no write for want of memory for a while: new claims are taken again");
-        }
-        false
-    }
-
-    fn now_ms(&self) -> u64 {
-        ms(coarse_now().saturating_duration_since(self.started)).max(1)
     }
 
     /// Notes whether a script ran, from its call's `error`; a refusal by
@@ -843,8 +842,7 @@ impl RedisStore {
     /// The record under `key` and its time left in ms, if there is one: a
     /// read, which Redis answers out of memory too.
     async fn read(&self, key: &RecordKey) -> Result<Option<(Vec<u8>, i64)>, StoreError> {
-        self.eval(&self.scripts.peek, RedisKey::of(&self.prefix, key).as_bytes(), &[])
-            .await
+        self.eval(&self.scripts.peek, self.redis_key(key).as_bytes(), &[]).await
     }
 
     /// Purges the record under `key` if it is still `record`.
@@ -857,7 +855,7 @@ impl RedisStore {
     /// script to run. Servers before Redis 7 refuse NX with GET; then the
     /// claim script is used from there on.
     async fn claim_natively(&self, key: &RecordKey, claim: &[u8], lease: u64) -> Result<Option<Vec<u8>>, StoreError> {
-        let redis_key = RedisKey::of(&self.prefix, key);
+        let redis_key = self.redis_key(key);
         // Sized for all of it, as in `script_command`.
         let data = "SET".len() + redis_key.as_bytes().len() + claim.len() + "NXPXGET".len() + 20;
         let mut command = redis::Cmd::with_capacity(7, data);
@@ -878,7 +876,7 @@ impl RedisStore {
                 self.claim_by_script(key, claim, lease, 0).await
             }
             Err(error) => {
-                self.note_memory(Some(&error));
+                self.memory.note(Some(&error));
                 Err(unavailable(error))
             }
         }
@@ -896,7 +894,7 @@ impl RedisStore {
         let (lease, refresh) = (lease.to_string(), refresh.to_string());
         self.eval_filling(
             &self.scripts.claim,
-            RedisKey::of(&self.prefix, key).as_bytes(),
+            self.redis_key(key).as_bytes(),
             &[claim, lease.as_bytes(), refresh.as_bytes()],
         )
         .await
@@ -934,7 +932,7 @@ impl RedisStore {
             Err(error) => return fail(batch, &cause(&error)),
         };
         let result: Result<Vec<i64>, RedisError> = {
-            let keys: Vec<RedisKey> = batch.iter().map(|c| RedisKey::of(&self.prefix, &c.key)).collect();
+            let keys: Vec<RedisKey> = batch.iter().map(|c| self.redis_key(&c.key)).collect();
             let tokens: Vec<[u8; 16]> = batch.iter().map(|c| codec::owner_bytes(c.owner)).collect();
             let keys: Vec<&[u8]> = keys.iter().map(RedisKey::as_bytes).collect();
             let args: Vec<&[u8]> = batch
@@ -961,8 +959,8 @@ impl RedisStore {
             Ok(done) if done.len() == batch.len() => {
                 for (completion, done) in batch.into_iter().zip(done) {
                     match done {
-                        -2 => self.completion_refused(&completion.key),
-                        1 => self.completion_landed(&completion.key),
+                        -2 => self.memory.refused(&completion.key),
+                        1 => self.memory.landed(&completion.key),
                         _ => {}
                     }
                     let answer = match done {
@@ -976,7 +974,7 @@ impl RedisStore {
             Ok(_) => fail(batch, "Redis answered a batch of completions with the wrong count"),
             Err(error) => {
                 if out_of_memory(&error) {
-                    batch.iter().for_each(|c| self.completion_refused(&c.key));
+                    batch.iter().for_each(|c| self.memory.refused(&c.key));
                 }
                 fail(batch, &cause(&unavailable(error)))
             }
@@ -990,18 +988,18 @@ impl RedisStore {
     }
 
     /// Completes the record `key` by the completion script (see
-    /// [`RedisStore::completion_refused`]).
+    /// [`OutOfMemory::refused`]).
     async fn complete_one(&self, key: &RecordKey, owner: Owner, record: &[u8], ttl: &str) -> Result<bool, StoreError> {
         let token = codec::owner_bytes(owner);
-        let redis_key = RedisKey::of(&self.prefix, key);
+        let redis_key = self.redis_key(key);
         let mut connection = self.connection().await?;
         let args: [&[u8]; 3] = [&token, record, ttl.as_bytes()];
         let result: Result<Option<i64>, RedisError> =
             Self::eval_with(&mut connection, &self.scripts.complete, &[redis_key.as_bytes()], &args).await;
         self.note_scripts(result.as_ref().err());
         match &result {
-            Ok(_) => self.completion_landed(key),
-            Err(error) if out_of_memory(error) => self.completion_refused(key),
+            Ok(_) => self.memory.landed(key),
+            Err(error) if out_of_memory(error) => self.memory.refused(key),
             Err(_) => {}
         }
         Ok(result.map_err(unavailable)? == Some(1))
@@ -1014,7 +1012,7 @@ impl RedisStore {
         let mut all: [&[u8]; 3] = [&token, &[], &[]];
         all[1..=args.len()].copy_from_slice(args);
         let done: Option<i64> = self
-            .eval(script, RedisKey::of(&self.prefix, key).as_bytes(), &all[..=args.len()])
+            .eval(script, self.redis_key(key).as_bytes(), &all[..=args.len()])
             .await?;
         Ok(done == Some(1))
     }
@@ -1038,7 +1036,7 @@ impl Store for RedisStore {
             })?;
         }
         let claim = codec::in_flight(fingerprint, owner);
-        let claimed = if self.full() {
+        let claimed = if self.memory.full() {
             Err(StoreError::NotSent(OUT_OF_MEMORY.into()))
         } else if refresh_ttl.is_none() && self.native_claim.load(Ordering::Relaxed) {
             self.claim_natively(key, &claim, ms(lease)).await
@@ -1049,7 +1047,7 @@ impl Store for RedisStore {
         };
         let found = match claimed {
             Ok(found) => found,
-            Err(error) if !self.full() => return Err(error),
+            Err(error) if !self.memory.full() => return Err(error),
             // Out of memory (just now, or this claim was refused so): what
             // is there is read, a replay answered; nothing new is taken.
             Err(_) => match self.read(key).await? {
@@ -1124,13 +1122,13 @@ impl Store for RedisStore {
         tokio::pin!(notified);
         notified.as_mut().enable();
         let watched = self
-            .eval_filling(&self.scripts.watch, RedisKey::of(&self.prefix, key).as_bytes(), &[])
+            .eval_filling(&self.scripts.watch, self.redis_key(key).as_bytes(), &[])
             .await;
         // Out of memory, the mark is refused: the record is read, and
         // looked at again sooner, as without a subscription.
         let (found, marked): (Option<(Vec<u8>, i64)>, bool) = match watched {
             Ok(found) => (found, true),
-            Err(_) if self.full() => (self.read(key).await?, false),
+            Err(_) if self.memory.full() => (self.read(key).await?, false),
             Err(error) => return Err(error),
         };
         let Some((record, pttl)) = found else {
@@ -1164,7 +1162,7 @@ impl Store for RedisStore {
     }
 
     async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
-        let redis_key = RedisKey::of(&self.prefix, key);
+        let redis_key = self.redis_key(key);
         let mut read = redis::cmd("GET");
         read.arg(redis_key.as_bytes());
         let found: Option<Vec<u8>> = self.connection().await?.query(&read).await.map_err(unavailable)?;
@@ -1181,7 +1179,7 @@ impl Store for RedisStore {
         // complete nothing.
         // A connection that broke while Redis was away fails its first
         // command and reconnects: ask twice before calling Redis down.
-        if self.full() {
+        if self.memory.full() {
             return Err(StoreError::Unavailable(OUT_OF_MEMORY.into()));
         }
         if self.probe().await.is_ok() {

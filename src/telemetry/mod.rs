@@ -6,8 +6,8 @@ pub mod metrics;
 
 pub use metrics::{Metrics, Outcome, RouteCounters};
 
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 /// The current request's span (see `Gateway::handle`), when there is one
 /// to record on. It is at DEBUG: above that, one load of the level filter
@@ -43,23 +43,31 @@ pub fn error_chain(error: &dyn std::error::Error) -> String {
 /// others of that second are counted, and the next line that goes out
 /// says how many (`suppressed`). The metrics count every one.
 pub struct Throttle {
-    /// When the next line may go out, in milliseconds since [`Throttle::now`]'s origin.
+    /// When the next line may go out, on [`crate::clock::coarse_ms`].
     next: AtomicU64,
     suppressed: AtomicU64,
+    /// Milliseconds between two lines that go out.
+    every: u64,
 }
 
 impl Throttle {
     pub const fn new() -> Throttle {
+        Throttle::every(Duration::from_secs(1))
+    }
+
+    /// At most one line each `period`.
+    pub const fn every(period: Duration) -> Throttle {
         Throttle {
             next: AtomicU64::new(0),
             suppressed: AtomicU64::new(0),
+            every: period.as_millis() as u64,
         }
     }
 
     /// Whether this line may go out now; if so, how many were held back
     /// since the last one that did.
     pub fn admit(&self) -> Option<u64> {
-        self.admit_at(Throttle::now())
+        self.admit_at(crate::clock::coarse_ms())
     }
 
     fn admit_at(&self, now: u64) -> Option<u64> {
@@ -67,21 +75,13 @@ impl Throttle {
         if now < next
             || self
                 .next
-                .compare_exchange(next, now + 1000, Ordering::Relaxed, Ordering::Relaxed)
+                .compare_exchange(next, now + self.every, Ordering::Relaxed, Ordering::Relaxed)
                 .is_err()
         {
             self.suppressed.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         Some(self.suppressed.swap(0, Ordering::Relaxed))
-    }
-
-    /// Milliseconds since the first call, on the coarse clock.
-    fn now() -> u64 {
-        static ORIGIN: OnceLock<tokio::time::Instant> = OnceLock::new();
-        let now = crate::clock::coarse_now();
-        let origin = *ORIGIN.get_or_init(|| now);
-        u64::try_from(now.saturating_duration_since(origin).as_millis()).unwrap_or(u64::MAX)
     }
 }
 
