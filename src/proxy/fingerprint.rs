@@ -1,6 +1,6 @@
 //! Step 3: the request fingerprint, SHA-256 over the method, path, query,
-//! the route's host when it names one, the configured headers and the body
-//! as configured.
+//! the route's host when it names one, the configured headers (each one's
+//! lines as one value, joined by ",") and the body as configured.
 
 use bytes::Bytes;
 use http::request::Parts;
@@ -44,9 +44,12 @@ pub fn fingerprint(
     }
     for name in &policy.headers {
         field(&mut hasher, name.as_str().as_bytes());
-        for value in parts.headers.get_all(name) {
-            field(&mut hasher, &super::key::identity(name, value.as_bytes()));
-        }
+        let lines = parts.headers.get_all(name).iter();
+        super::key::hash_lines(
+            &mut hasher,
+            &[],
+            lines.map(|value| super::key::identity(name, value.as_bytes())),
+        );
         hasher.update([0xff]);
     }
     match (policy.body, json) {
@@ -105,5 +108,29 @@ mod tests {
             hex(fingerprint(&policy, Some("api.example.com"), &parts, &body, None)),
             "9bbdd24a399788785da885bd44eadd45bfc09d6360d37294c52f310a460978ca"
         );
+    }
+
+    /// A listed header sent on two lines is fingerprinted as the one line
+    /// a proxy on the way may join them into, and the order of the lines
+    /// counts.
+    #[test]
+    fn a_headers_lines_are_fingerprinted_as_one_value() {
+        let policy = FingerprintPolicy {
+            headers: vec![http::HeaderName::from_static("x-flags")],
+            body: BodyMode::None,
+            ignore: Vec::new(),
+        };
+        let print = |lines: &[&'static str]| {
+            let mut request = http::Request::post("/v1/orders");
+            for &line in lines {
+                request = request.header("x-flags", line);
+            }
+            let (parts, ()) = request.body(()).unwrap().into_parts();
+            fingerprint(&policy, None, &parts, &Bytes::new(), None)
+        };
+        assert_eq!(print(&["a", "b"]), print(&["a,b"]));
+        assert_ne!(print(&["a", "b"]), print(&["b", "a"]));
+        assert_ne!(print(&["a,b"]), print(&[]));
+        assert_ne!(print(&[""]), print(&[]));
     }
 }
