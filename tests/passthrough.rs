@@ -292,6 +292,7 @@ async fn a_scope_reads_a_host_without_regard_to_its_spelling() {
         ("api.example.com", false),
         ("API.Example.COM", true),
         ("api.example.com.", true),
+        ("api.example.com:", true),
         ("api.example.com:8443", false),
         ("Api.Example.Com.:8443", true),
         ("app.example.com", false),
@@ -381,6 +382,12 @@ path = "/files/{{*rest}}"
     // nginx drops the trailing dot), so the same upstream.
     post("/v1/orders", "Tenant.Example.com.:8080", "POST").await;
     assert_eq!(other.hits(), 3, "a trailing dot took the request past its route");
+    // An empty port, or one past 65535, is still the port: nginx reads
+    // the host before it, and so might the backend.
+    post("/v1/orders", "tenant.example.com:", "POST").await;
+    assert_eq!(other.hits(), 4, "an empty port took the request past its route");
+    post("/v1/orders", "tenant.example.com:99999", "POST").await;
+    assert_eq!(other.hits(), 5, "a port past 65535 took the request past its route");
 }
 
 /// A path that spells an unreserved character as an escape is the same

@@ -140,7 +140,8 @@ pub fn derive(fields: &[DeriveField], source: &KeySource<'_>) -> Result<String, 
 /// but for `Host`, whose name is one name however it is spelled: without
 /// regard to case, and without a fully qualified name's trailing dot
 /// (`API.Example.com.:8080` is `api.example.com:8080`), as routes match
-/// it. The port stays: another port may be another service.
+/// it. The port stays: another port may be another service. An empty one
+/// is none (RFC 3986 §6.2.3: `api.example.com:` is `api.example.com`).
 pub fn identity<'a>(name: &HeaderName, value: &'a [u8]) -> Cow<'a, [u8]> {
     if name != http::header::HOST {
         return Cow::Borrowed(value);
@@ -150,18 +151,22 @@ pub fn identity<'a>(name: &HeaderName, value: &'a [u8]) -> Cow<'a, [u8]> {
         Some(colon) if value[colon + 1..].iter().all(u8::is_ascii_digit) => colon,
         _ => value.len(),
     };
+    let port = match &value[host_end..] {
+        b":" => &[][..],
+        port => port,
+    };
     // Every trailing dot, as routes drop them (`api.example.com..` too).
     let mut name_end = host_end;
     while name_end > 1 && value[name_end - 1] == b'.' {
         name_end -= 1;
     }
-    if name_end == host_end && !value.iter().any(u8::is_ascii_uppercase) {
+    if name_end + port.len() == value.len() && !value.iter().any(u8::is_ascii_uppercase) {
         return Cow::Borrowed(value);
     }
     let host = &value[..name_end];
     let mut normal = Vec::with_capacity(value.len());
     normal.extend(host.iter().map(u8::to_ascii_lowercase));
-    normal.extend_from_slice(&value[host_end..]);
+    normal.extend_from_slice(port);
     Cow::Owned(normal)
 }
 
@@ -246,8 +251,10 @@ mod tests {
             ("API.Example.com.", "api.example.com"),
             ("API.Example.com.:8443", "api.example.com:8443"),
             ("api.example.com..", "api.example.com"),
-            ("api.example.com:", "api.example.com:"),
+            ("api.example.com:", "api.example.com"),
+            ("API.example.com.:", "api.example.com"),
             ("[::1]", "[::1]"),
+            ("[::1]:", "[::1]"),
             ("[::1]:80", "[::1]:80"),
             ("[FE80::1]", "[fe80::1]"),
             (".", "."),

@@ -327,6 +327,10 @@ impl Gateway {
         // The target's own host when it has one (absolute-form, HTTP/2's
         // :authority), which RFC 9112 §3.2.2 says wins over Host; without
         // the trailing dot of a fully qualified name, as nginx drops it.
+        // A Host's port is its digits after the last colon, however many
+        // or few: `api.example.com:` (an empty port, RFC 3986 §3.2.3) and
+        // `api.example.com:99999` name the host `api.example.com` to nginx
+        // and to the target's own parser, and so must match its route.
         let host = request
             .uri()
             .host()
@@ -334,7 +338,7 @@ impl Gateway {
                 let host = request.headers().get(HOST)?.to_str().ok()?;
                 Some(
                     host.rsplit_once(':')
-                        .filter(|(_, port)| port.parse::<u16>().is_ok())
+                        .filter(|(_, port)| port.bytes().all(|b| b.is_ascii_digit()))
                         .map_or(host, |(host, _)| host),
                 )
             })
