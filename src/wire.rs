@@ -409,7 +409,7 @@ impl Noted {
 /// address (RFC 3986's unreserved, pct-encoded and sub-delims characters)
 /// or a bracketed IP literal, the port digits. User info (`@`), paths,
 /// queries, spaces and controls are refused, as nginx refuses them.
-fn valid_host(value: &[u8]) -> bool {
+pub fn valid_host(value: &[u8]) -> bool {
     if let Some(literal) = value.strip_prefix(b"[") {
         let Some(end) = literal.iter().position(|&b| b == b']') else {
             return false;

@@ -275,6 +275,59 @@ async fn an_http2_request_is_scoped_by_its_authority_and_joined_cookies() {
     assert_eq!(upstream.hits(), 2);
 }
 
+/// An HTTP/2 request's host is checked as an HTTP/1.1 request's is: one
+/// `host` field, `host[:port]`, or 400 before it picks a route or reaches
+/// the backend as X-Forwarded-Host. So is an `:authority`, which wins
+/// over `host`.
+#[tokio::test]
+async fn an_http2_requests_host_is_checked_as_an_http1_requests() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
+    let stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut sender, connection) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    let mut send = async |target: &str, hosts: &[&str]| {
+        let mut request = http::Request::post(target);
+        for host in hosts {
+            request = request.header("host", *host);
+        }
+        let request = request
+            .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        let response = sender.send_request(request).await.unwrap();
+        let status = response.status();
+        let body = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    };
+    for (target, hosts, says) in [
+        ("/pass", &["a.example", "b.example"][..], "one host header"),
+        ("/pass", &["x/y?z"], "not a host"),
+        ("/pass", &["a b"], "not a host"),
+        ("/pass", &["a.example, b.example"], "not a host"),
+        ("http://a.example:abc/pass", &[], "not a host"),
+    ] {
+        let (status, body) = send(target, hosts).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{target} {hosts:?}: {body}");
+        assert!(body.contains(says), "{target} {hosts:?}: {body}");
+    }
+    assert_eq!(upstream.hits(), 0);
+    for (target, hosts) in [
+        ("/pass", &["a.example:8080"][..]),
+        ("/pass", &[]),
+        ("http://a.example:/pass", &[]),
+    ] {
+        let (status, body) = send(target, hosts).await;
+        assert_eq!(status, StatusCode::CREATED, "{target} {hosts:?}: {body}");
+    }
+    assert_eq!(upstream.hits(), 3);
+}
+
 /// A host named in `scope` is the same host however it is spelled (case, a
 /// fully qualified name's trailing dot), as routes match it: a retry that
 /// spells it otherwise is replayed, not run again. Another port or

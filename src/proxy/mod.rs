@@ -324,6 +324,20 @@ impl Gateway {
         {
             return Routed::Refused("an absolute request target must be an http or https URI without userinfo");
         }
+        // The HTTP/1.1 listener checks the Host lines it reads; an HTTP/2
+        // request's, and a target's own authority (now the Host), are
+        // checked here, by the same rules: one host, `host[:port]`. It
+        // picks the route and travels on as X-Forwarded-Host.
+        if request.version() == http::Version::HTTP_2 || uri.authority().is_some() {
+            let mut hosts = request.headers().get_all(HOST).iter();
+            match (hosts.next(), hosts.next()) {
+                (_, Some(_)) => return Routed::Refused("a request has one host header, not more"),
+                (Some(host), None) if !crate::wire::valid_host(host.as_bytes()) => {
+                    return Routed::Refused("the host header is not a host");
+                }
+                _ => {}
+            }
+        }
         // The target's own host when it has one (absolute-form, HTTP/2's
         // :authority), which RFC 9112 §3.2.2 says wins over Host; without
         // the trailing dot of a fully qualified name, as nginx drops it.
