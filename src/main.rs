@@ -344,9 +344,6 @@ fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
                     );
                     continue;
                 }
-                for warning in idemgate::config::warnings(&config) {
-                    tracing::warn!("{warning}");
-                }
                 // Every worker takes the same configuration, or none does,
                 // and one line says what was applied.
                 match server::reload_all(&reloaders, config) {

@@ -854,7 +854,8 @@ async fn a_reload_names_the_fields_that_wait_for_a_restart() {
     proxy.reload(
         &upstream.url(),
         &format!(
-            "[server]\nheader_read_timeout = \"3s\"\n[store]\ntimeout = \"2s\"\npath = \"elsewhere.redb\"\n{}",
+            "[server]\nheader_read_timeout = \"3s\"\n[store]\ntimeout = \"2s\"\npath = \"elsewhere.redb\"\n\
+             [defaults]\nlock_timeout = \"5s\"\n{}",
             support::ORDERS
         ),
     );
@@ -866,6 +867,21 @@ async fn a_reload_names_the_fields_that_wait_for_a_restart() {
         );
     }
     assert!(!text.contains("store.backend"), "the backend did not change:\n{text}");
+    // Warnings are of the store timeout in force (1 s, the default), not
+    // of the file's: a 5 s lease is three of it, a 2 s one is not.
+    assert!(!text.contains("three times store.timeout"), "{text}");
+    proxy.reload(
+        &upstream.url(),
+        &format!(
+            "[store]\ntimeout = \"500ms\"\n[defaults]\nlock_timeout = \"2s\"\n{}",
+            support::ORDERS
+        ),
+    );
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    assert!(
+        text.contains("lock_timeout 2s is under three times store.timeout (1s)"),
+        "{text}"
+    );
     proxy.stop().await;
 }
 

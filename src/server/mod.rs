@@ -180,6 +180,9 @@ impl Reloader {
         config.store.backend = before.store.backend.clone();
         config.store.timeout = before.store.timeout;
         config.store.key_prefix = before.store.key_prefix.clone();
+        // Of the configuration as applied: a lease is renewed within the
+        // store timeout in force, not the one the file asks for next.
+        let warnings = crate::config::warnings(&config);
         let gateway = Gateway::with_client(
             Arc::new(config),
             old.store().clone(),
@@ -193,6 +196,7 @@ impl Reloader {
             gateway,
             reloaded: Reloaded {
                 waiting,
+                warnings,
                 tls_kept,
                 routes,
             },
@@ -205,6 +209,9 @@ impl Reloader {
 #[derive(Debug)]
 pub struct Reloaded {
     waiting: Vec<&'static str>,
+    /// [`crate::config::warnings`] of the configuration applied, with the
+    /// restart-only values still in force.
+    warnings: Vec<String>,
     tls_kept: bool,
     routes: usize,
 }
@@ -216,6 +223,9 @@ impl Reloaded {
                 field,
                 "changed: it takes effect after a restart (the rest is applied now)"
             );
+        }
+        for warning in &self.warnings {
+            tracing::warn!("{warning}");
         }
         if self.tls_kept {
             tracing::info!("server.tls: the certificate and key were read at start; a renewed one takes a restart");
