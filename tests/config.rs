@@ -819,6 +819,18 @@ fn a_bad_config_exits_non_zero_before_binding_any_port() {
     let said = String::from_utf8_lossy(&missing.stderr);
     assert!(said.contains("/nonexistent/idemgate.toml"), "{said}");
     assert_eq!(said.matches("No such file").count(), 1, "the cause once: {said}");
+    // A byte that is not UTF-8 (a Latin-1 comment): where it is.
+    let latin1 = temp_file("latin1.toml", "[upstream]\nurl = \"http://127.0.0.1:1\"\n# caf\u{1}\n");
+    let mut bytes = std::fs::read(latin1.to_str().unwrap()).unwrap();
+    *bytes.iter_mut().find(|b| **b == 1).unwrap() = 0xe9;
+    std::fs::write(latin1.to_str().unwrap(), bytes).unwrap();
+    let output = idemgate(&["check", "--config", latin1.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        said.contains("latin1.toml: line 3, column 6: the file is not UTF-8"),
+        "{said}"
+    );
 }
 
 #[test]

@@ -325,9 +325,21 @@ impl Config {
     /// Reads and validates the file at `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
+        let bytes = std::fs::read(path).map_err(|cause| ConfigError::Read {
             file: file.clone(),
             cause,
+        })?;
+        // TOML is UTF-8: where it is not, say where, as for any other error.
+        let text = String::from_utf8(bytes).map_err(|error| {
+            let before = &error.as_bytes()[..error.utf8_error().valid_up_to()];
+            let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
+            let line_start = before.iter().rposition(|&b| b == b'\n').map_or(0, |at| at + 1);
+            // Valid UTF-8 up to here: its characters count the columns.
+            let column = std::str::from_utf8(&before[line_start..]).map_or(0, |l| l.chars().count()) + 1;
+            ConfigError::Parse {
+                file: file.clone(),
+                message: format!("line {line}, column {column}: the file is not UTF-8 text, as TOML must be"),
+            }
         })?;
         Config::parse(&text, &file)
     }
