@@ -814,3 +814,85 @@ async fn a_slow_clients_pass_through_upload_is_not_cut_at_upstream_timeout() {
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
+
+/// Uploads an upstream does not read yet hold an HTTP/2 connection's
+/// flow-control window shut, so another stream's client has no window to
+/// send its body in: that silence is not a stalled client, and the request
+/// is served once the window opens, not refused as stalled after
+/// `header_read_timeout`.
+#[tokio::test]
+async fn an_http2_body_waiting_for_window_that_other_streams_hold_is_not_stalled() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    // Reads nothing until then: the uploads fill its socket, and then the
+    // data idemgate holds unread fills the connection's window.
+    let opens = tokio::time::Instant::now() + Duration::from_millis(2500);
+    tokio::spawn(async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                tokio::time::sleep_until(opens).await;
+                let mut read = Vec::new();
+                let mut chunk = vec![0u8; 1 << 16];
+                let length = loop {
+                    let n = socket.read(&mut chunk).await.unwrap();
+                    assert!(n > 0);
+                    read.extend_from_slice(&chunk[..n]);
+                    if let Some(end) = read.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&read[..end]).to_ascii_lowercase();
+                        let length: usize = head
+                            .lines()
+                            .find_map(|line| line.strip_prefix("content-length: "))
+                            .map_or(0, |n| n.trim().parse().unwrap());
+                        break end + 4 + length;
+                    }
+                };
+                while read.len() < length {
+                    let n = socket.read(&mut chunk).await.unwrap();
+                    assert!(n > 0);
+                    read.extend_from_slice(&chunk[..n]);
+                }
+                let _ = socket
+                    .write_all(b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+                    .await;
+            });
+        }
+    });
+    let proxy = Proxy::start(
+        &url,
+        &format!("[server]\nheader_read_timeout = \"1s\"\n{}", support::ORDERS),
+    )
+    .await;
+    let stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let (sender, connection) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    let send = |path: &'static str, key: Option<&'static str>, body: Bytes| {
+        let mut sender = sender.clone();
+        tokio::spawn(async move {
+            let mut request = http::Request::post(format!("http://x{path}"));
+            if let Some(key) = key {
+                request = request.header("idempotency-key", key);
+            }
+            let request = request.body(http_body_util::Full::new(body)).unwrap();
+            let response = sender.send_request(request).await.unwrap();
+            let status = response.status();
+            let body = http_body_util::BodyExt::collect(response.into_body())
+                .await
+                .unwrap()
+                .to_bytes();
+            (status, String::from_utf8_lossy(&body).into_owned())
+        })
+    };
+    let upload = Bytes::from(vec![b'u'; 16 << 20]);
+    let uploads: Vec<_> = (0..5).map(|_| send("/uploads", None, upload.clone())).collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let order = send("/v1/orders", Some("k-window"), Bytes::from(vec![b'o'; 20_000]));
+    let (status, body) = order.await.unwrap();
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    for upload in uploads {
+        assert_eq!(upload.await.unwrap().0, StatusCode::CREATED);
+    }
+}

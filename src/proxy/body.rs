@@ -3,7 +3,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -33,7 +33,8 @@ pub enum ClientBody {
 
 /// An HTTP/2 stream's body, each frame due within `idle` of the last, as
 /// the HTTP/1.1 listener bounds its bodies: hyper waits for a stalled
-/// stream forever.
+/// stream forever. A wait is not the client's while another body of the
+/// connection holds data idemgate has not read ([`UnreadBodies`]).
 pub struct H2Body {
     incoming: Incoming,
     idle: Duration,
@@ -44,6 +45,43 @@ pub struct H2Body {
     /// was set, or it was never set, when not).
     armed: bool,
     waits: Option<Arc<ClientWaits>>,
+    connection: Arc<UnreadBodies>,
+    /// Whether this body is counted in `connection` (not waiting in a
+    /// poll, and not ended).
+    counted: bool,
+    ended: bool,
+}
+
+/// The request bodies of one HTTP/2 connection that may hold data
+/// idemgate has not read: begun, not ended, and not being waited on
+/// (a pass-through body whose upstream reads slowly, above all). Data a
+/// stream holds unread keeps the connection's flow-control window shut
+/// for every stream, so while there is one, another stream's client may
+/// have no window to send in, and its body's silence is not a stall.
+#[derive(Default)]
+pub struct UnreadBodies(AtomicUsize);
+
+impl UnreadBodies {
+    fn any(&self) -> bool {
+        self.0.load(Ordering::Relaxed) > 0
+    }
+
+    fn count(&self, counted: &mut bool, now: bool) {
+        if *counted != now {
+            *counted = now;
+            if now {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl Drop for H2Body {
+    fn drop(&mut self) {
+        self.connection.count(&mut self.counted, false);
+    }
 }
 
 /// How long a streamed body has kept its reader waiting on the client (a
@@ -117,14 +155,23 @@ pub struct Feed {
 pub struct BodyBrokeOff;
 
 impl ClientBody {
-    /// An HTTP/2 stream's body, each frame due within `idle`.
-    pub fn h2(incoming: Incoming, idle: Duration) -> ClientBody {
+    /// An HTTP/2 stream's body, each frame due within `idle` while no
+    /// other body of its `connection` holds data unread.
+    pub fn h2(incoming: Incoming, idle: Duration, connection: Arc<UnreadBodies>) -> ClientBody {
+        let mut counted = false;
+        let ended = incoming.is_end_stream();
+        if !ended {
+            connection.count(&mut counted, true);
+        }
         ClientBody::H2(Box::new(H2Body {
             incoming,
             idle,
             timer: None,
             armed: false,
             waits: None,
+            connection,
+            counted,
+            ended,
         }))
     }
 
@@ -184,24 +231,35 @@ impl Body for ClientBody {
                     if let Some(waits) = &h2.waits {
                         waits.came();
                     }
+                    // Held, if anything is left, until it is polled again.
+                    h2.ended |= !matches!(frame, Some(Ok(_)));
+                    h2.connection.count(&mut h2.counted, !h2.ended);
                     Poll::Ready(frame.map(|frame| frame.map_err(Into::into)))
                 }
                 Poll::Pending => {
+                    h2.connection.count(&mut h2.counted, false);
                     if let Some(waits) = &h2.waits {
                         waits.waiting();
                     }
                     let idle = h2.idle;
-                    if !h2.armed {
-                        let due = tokio::time::Instant::now() + idle;
-                        match &mut h2.timer {
-                            Some(timer) => timer.as_mut().reset(due),
-                            None => h2.timer = Some(Box::pin(tokio::time::sleep_until(due))),
+                    loop {
+                        if !h2.armed {
+                            let due = tokio::time::Instant::now() + idle;
+                            match &mut h2.timer {
+                                Some(timer) => timer.as_mut().reset(due),
+                                None => h2.timer = Some(Box::pin(tokio::time::sleep_until(due))),
+                            }
+                            h2.armed = true;
                         }
-                        h2.armed = true;
+                        let timer = h2.timer.as_mut().expect("set above");
+                        ready!(timer.as_mut().poll(cx));
+                        if !h2.connection.any() {
+                            return Poll::Ready(Some(Err(BodyStalled(idle).into())));
+                        }
+                        // The client may have had no window to send in:
+                        // another `idle` from here.
+                        h2.armed = false;
                     }
-                    let timer = h2.timer.as_mut().expect("set above");
-                    ready!(timer.as_mut().poll(cx));
-                    Poll::Ready(Some(Err(BodyStalled(idle).into())))
                 }
             },
             ClientBody::Fed(fed) => {

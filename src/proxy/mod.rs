@@ -35,7 +35,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 use tracing::field::Empty;
 
-pub use body::{BoxError, ClientBody, Feed, ResponseBody};
+pub use body::{BoxError, ClientBody, Feed, ResponseBody, UnreadBodies};
 pub use forward::Peer;
 pub use problem::Problem;
 pub(crate) use upstream::sweep_idle_connections;

@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, StoreBackend};
-use crate::proxy::{BoxError, ClientBody, Gateway, Peer, ResponseBody, SentClaims};
+use crate::proxy::{BoxError, ClientBody, Gateway, Peer, ResponseBody, SentClaims, UnreadBodies};
 use crate::store::StoreHandle;
 use crate::telemetry::Metrics;
 
@@ -539,7 +539,8 @@ async fn serve_connection<S>(
 /// connections are after `header_read_timeout`: hyper's HTTP/2 server
 /// never closes an idle connection, nor one that sent its preface and
 /// nothing after, nor one whose client stopped reading. Request bodies get
-/// `idle` per frame.
+/// `idle` per frame, counted while no other body of the connection holds
+/// data unread ([`UnreadBodies`]).
 async fn serve_h2<S>(
     mut stream: Rewind<S>,
     gateway: Arc<ArcSwap<Gateway>>,
@@ -552,16 +553,18 @@ async fn serve_h2<S>(
 {
     let activity = Arc::new(Activity::default());
     stream.activity = Some(activity.clone());
+    let unread = Arc::new(UnreadBodies::default());
     let service = service_fn({
         let activity = activity.clone();
         move |request: http::Request<hyper::body::Incoming>| {
             let gateway = gateway.load_full();
             let open = Open::new(&activity);
+            let unread = unread.clone();
             async move {
                 let (mut parts, body) = request.into_parts();
                 let head_only = parts.method == http::Method::HEAD;
                 crate::proxy::forward::h2_as_h1(&mut parts.headers);
-                let request = http::Request::from_parts(parts, ClientBody::h2(body, idle));
+                let request = http::Request::from_parts(parts, ClientBody::h2(body, idle, unread));
                 let mut response = gateway.handle(request, peer).await;
                 if head_only {
                     head_answer(&mut response);
