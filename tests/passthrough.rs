@@ -283,27 +283,10 @@ async fn an_http2_request_is_scoped_by_its_authority_and_joined_cookies() {
 async fn an_http2_requests_host_is_checked_as_an_http1_requests() {
     let upstream = Upstream::created().await;
     let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
-    let stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    let (mut sender, connection) =
-        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(stream))
-            .await
-            .unwrap();
-    tokio::spawn(connection);
+    let mut sender = h2_connect(proxy.addr).await;
     let mut send = async |target: &str, hosts: &[&str]| {
-        let mut request = http::Request::post(target);
-        for host in hosts {
-            request = request.header("host", *host);
-        }
-        let request = request
-            .body(http_body_util::Full::new(Bytes::from_static(b"{}")))
-            .unwrap();
-        let response = sender.send_request(request).await.unwrap();
-        let status = response.status();
-        let body = http_body_util::BodyExt::collect(response.into_body())
-            .await
-            .unwrap()
-            .to_bytes();
-        (status, String::from_utf8_lossy(&body).into_owned())
+        let hosts: Vec<_> = hosts.iter().map(|host| ("host", *host)).collect();
+        h2_post(&mut sender, target, &hosts, Bytes::from_static(b"{}")).await
     };
     for (target, hosts, says) in [
         ("/pass", &["a.example", "b.example"][..], "one host header"),
@@ -863,28 +846,11 @@ async fn an_http2_body_waiting_for_window_that_other_streams_hold_is_not_stalled
         &format!("[server]\nheader_read_timeout = \"1s\"\n{}", support::ORDERS),
     )
     .await;
-    let stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    let (sender, connection) =
-        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(stream))
-            .await
-            .unwrap();
-    tokio::spawn(connection);
+    let sender = h2_connect(proxy.addr).await;
     let send = |path: &'static str, key: Option<&'static str>, body: Bytes| {
         let mut sender = sender.clone();
-        tokio::spawn(async move {
-            let mut request = http::Request::post(format!("http://x{path}"));
-            if let Some(key) = key {
-                request = request.header("idempotency-key", key);
-            }
-            let request = request.body(http_body_util::Full::new(body)).unwrap();
-            let response = sender.send_request(request).await.unwrap();
-            let status = response.status();
-            let body = http_body_util::BodyExt::collect(response.into_body())
-                .await
-                .unwrap()
-                .to_bytes();
-            (status, String::from_utf8_lossy(&body).into_owned())
-        })
+        let headers: Vec<_> = key.map(|key| ("idempotency-key", key)).into_iter().collect();
+        tokio::spawn(async move { h2_post(&mut sender, &format!("http://x{path}"), &headers, body).await })
     };
     let upload = Bytes::from(vec![b'u'; 16 << 20]);
     let uploads: Vec<_> = (0..5).map(|_| send("/uploads", None, upload.clone())).collect();
@@ -895,4 +861,34 @@ async fn an_http2_body_waiting_for_window_that_other_streams_hold_is_not_stalled
     for upload in uploads {
         assert_eq!(upload.await.unwrap().0, StatusCode::CREATED);
     }
+}
+
+type H2Sender = hyper::client::conn::http2::SendRequest<http_body_util::Full<Bytes>>;
+
+/// An HTTP/2 connection (h2c with prior knowledge) to `addr`.
+async fn h2_connect(addr: std::net::SocketAddr) -> H2Sender {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (sender, connection) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    sender
+}
+
+/// POSTs `body` to `target` with `headers` on `sender`: the answer's
+/// status and body, as text.
+async fn h2_post(sender: &mut H2Sender, target: &str, headers: &[(&str, &str)], body: Bytes) -> (StatusCode, String) {
+    let mut request = http::Request::post(target);
+    for &(name, value) in headers {
+        request = request.header(name, value);
+    }
+    let request = request.body(http_body_util::Full::new(body)).unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    let status = response.status();
+    let body = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
 }
