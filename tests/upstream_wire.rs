@@ -97,6 +97,9 @@ fn script(path: &str) -> (&'static [u8], bool) {
         // Heads cut off after their status: one that says the backend
         // acted, and one that says it did not.
         "/cut-head" => (b"HTTP/1.1 201 Created\r\nlocation: /v1/orders/77\r\n", true),
+        // A code below 100 is no status, but an answer all the same.
+        "/below-100" => (b"HTTP/1.1 099 Weird\r\ncontent-length: 5\r\n\r\nhello", false),
+        "/cut-below-100" => (b"HTTP/1.1 000 Zero\r\ncontent-", true),
         "/cut-busy" => (b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 1\r\n", true),
         // Heads that stop after their status, the connection left open.
         "/stall-head" => (b"HTTP/1.1 201 Created\r\nlocation: /v1/orders/78\r\n", false),
@@ -440,6 +443,8 @@ on_upstream_failure = "release"
         ("/busy-gzip", false),
         ("/cut-head", true),
         ("/cut-busy", false),
+        ("/below-100", true),
+        ("/cut-below-100", true),
     ];
     for (path, _) in paths {
         let answer = client.send("GET", &proxy.url(path), &[], "").await;

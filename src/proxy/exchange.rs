@@ -583,7 +583,7 @@ impl Exchange {
                 let _ = reply.send(Problem::UpstreamUnavailable("the upstream cannot be reached".into()).response());
                 return;
             }
-            Some(Err(error @ UpstreamError::Refused(status, _))) => {
+            Some(Err(error @ UpstreamError::Refused(code, _))) => {
                 // The backend answered, so it had the request: whatever it
                 // did is done, and running it again on a retry (as a
                 // released key would) could do it twice. The key is kept
@@ -593,7 +593,7 @@ impl Exchange {
                 // route releases, as a well-formed answer's would be.
                 counters.count(TelemetryOutcome::UpstreamError);
                 let error = error_chain(&error);
-                if released(status, policy) {
+                if code.status().is_some_and(|status| released(status, policy)) {
                     tracing::warn!(route = %live.route.name, key = %key.tag(), error, "the upstream's answer cannot be passed on");
                     guard.release().await;
                     let problem = Problem::UpstreamUnavailable("the upstream's answer cannot be passed on".into());

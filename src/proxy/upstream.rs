@@ -89,7 +89,7 @@ pub enum UpstreamError {
     /// (one that does not begin so, a `Protocol` error, may be another
     /// service on the port).
     #[error("the upstream's answer ({0}) cannot be passed on: {1}")]
-    Refused(StatusCode, &'static str),
+    Refused(Code, &'static str),
     #[error("the request body could not be read")]
     RequestBody(#[source] BoxError),
 }
@@ -108,6 +108,37 @@ impl HeadBegun {
 
     fn note(&self, status: StatusCode) {
         self.0.store(status.as_u16(), Ordering::Relaxed);
+    }
+}
+
+/// The three digits a status line begins with: a [`StatusCode`] from 100
+/// up. One below 100 is none (RFC 9110 §15), yet the head that begins
+/// with it still says a backend had the request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Code(u16);
+
+impl Code {
+    pub fn status(self) -> Option<StatusCode> {
+        StatusCode::from_u16(self.0).ok()
+    }
+
+    fn is_informational(self) -> bool {
+        (100..200).contains(&self.0)
+    }
+}
+
+impl From<StatusCode> for Code {
+    fn from(status: StatusCode) -> Code {
+        Code(status.as_u16())
+    }
+}
+
+impl std::fmt::Display for Code {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.status() {
+            Some(status) => status.fmt(f),
+            None => write!(f, "{:03}, no status", self.0),
+        }
     }
 }
 
@@ -453,7 +484,9 @@ fn early(buf: &[u8]) -> Early {
         at += buf[at..].iter().take_while(|b| matches!(b, b'\r' | b'\n')).count();
         let head = &buf[at..];
         match status_line(head) {
-            Some(status) if !status.is_informational() => return Early::Final(Some(status)),
+            // Below 100, no status: stops the body as bytes that are no
+            // answer do, and reading the head refuses it by its code.
+            Some(code) if !code.is_informational() => return Early::Final(code.status()),
             // An interim answer: what follows it, once it is whole.
             Some(_) => match head.windows(2).position(|w| w == b"\n\n" || w == b"\n\r") {
                 Some(end) if head.get(end + 1) == Some(&b'\n') => at += end + 2,
@@ -828,15 +861,15 @@ const MAX_FIELDS: usize = 256;
 
 /// An answer refused for `why`: by its status when its head began with
 /// one (see [`UpstreamError::Refused`]).
-fn refused(status: Option<StatusCode>, why: &'static str) -> UpstreamError {
-    match status {
-        Some(status) => UpstreamError::Refused(status, why),
+fn refused(code: Option<Code>, why: &'static str) -> UpstreamError {
+    match code {
+        Some(code) => UpstreamError::Refused(code, why),
         None => UpstreamError::Protocol(why),
     }
 }
 
-/// The status an HTTP/1.x head in `buf` begins with, if it does.
-fn status_line(buf: &[u8]) -> Option<StatusCode> {
+/// The status code an HTTP/1.x head in `buf` begins with, if it does.
+fn status_line(buf: &[u8]) -> Option<Code> {
     let rest = buf.strip_prefix(b"HTTP/1.")?;
     let (minor, rest) = rest.split_first()?;
     let rest = rest.strip_prefix(b" ")?;
@@ -845,7 +878,7 @@ fn status_line(buf: &[u8]) -> Option<StatusCode> {
     if !minor.is_ascii_digit() || !code.iter().all(u8::is_ascii_digit) || !ended {
         return None;
     }
-    StatusCode::from_bytes(code).ok()
+    Some(Code(code.iter().fold(0, |n, d| n * 10 + u16::from(d - b'0'))))
 }
 
 /// Reads the response head (skipping 1xx interim answers) and decides the
@@ -874,10 +907,13 @@ async fn read_head(
                     // once it is split off: no copy of the values.
                     let offsets = wire::header_offsets(&conn.buf, parsed.headers);
                     let head = conn.buf.split_to(length).freeze();
-                    let status = StatusCode::from_u16(code).map_err(|_| UpstreamError::Protocol("bad status"))?;
+                    // httparse reads three digits: one below 100 is no
+                    // status, but the backend answered.
+                    let status = StatusCode::from_u16(code)
+                        .map_err(|_| UpstreamError::Refused(Code(code), "the status is below 100"))?;
                     if status.is_informational() {
                         if status == StatusCode::SWITCHING_PROTOCOLS {
-                            return Err(UpstreamError::Refused(status, "the upstream switched protocols"));
+                            return Err(UpstreamError::Refused(status.into(), "the upstream switched protocols"));
                         }
                         // The next head starts the buffer: looked at afresh.
                         lines = LineWatch::default();
@@ -894,7 +930,7 @@ async fn read_head(
                     let noted =
                         wire::append_headers(&head, &offsets, headers, wire::Keep::EndToEnd).map_err(|error| {
                             UpstreamError::Refused(
-                                status,
+                                status.into(),
                                 match error {
                                     wire::BadHeader::Name => "a header name is not valid",
                                     wire::BadHeader::Value => "a header value is not valid",
@@ -903,7 +939,7 @@ async fn read_head(
                         })?;
                     let (framing, keep_alive) =
                         framing(&response, &noted, head_only, minor).map_err(|error| match error {
-                            UpstreamError::Protocol(why) => UpstreamError::Refused(status, why),
+                            UpstreamError::Protocol(why) => UpstreamError::Refused(status.into(), why),
                             other => other,
                         })?;
                     let headers = response.headers_mut();
@@ -940,7 +976,9 @@ async fn read_head(
             return Err(refused(status_line(&conn.buf), "the response head is too large"));
         }
         if let Some(begun) = begun
-            && let Some(status) = status_line(&conn.buf).filter(|s| !s.is_informational())
+            && let Some(status) = status_line(&conn.buf)
+                .and_then(Code::status)
+                .filter(|s| !s.is_informational())
         {
             begun.note(status);
         }
@@ -961,7 +999,7 @@ async fn read_head(
 /// see [`UpstreamError::Refused`]), else a failure no answer explains.
 fn broke_off(buf: &[u8], error: io::Error) -> UpstreamError {
     match status_line(buf) {
-        Some(status) => UpstreamError::Refused(status, "the answer broke off within its head"),
+        Some(code) => UpstreamError::Refused(code, "the answer broke off within its head"),
         None => UpstreamError::Io(error),
     }
 }
@@ -1145,12 +1183,14 @@ mod tests {
             (b"HTTP/1.0 429\r\n", Some(429)),
             (b"HTTP/1.1 503", Some(503)),
             (b"HTTP/1.1 2011 X\r\n", None),
+            (b"HTTP/1.1 099 Weird\r\n", Some(99)),
+            (b"HTTP/1.1 000\r\n", Some(0)),
             (b"HTTP/1.1 20x\r\n", None),
             (b"HTTP/2.0 200\r\n", None),
             (b"SSH-2.0-OpenSSH_9.6\r\n", None),
             (b"HTTP/1.1  200\r\n", None),
         ] {
-            let found = status_line(head).map(|s| s.as_u16());
+            let found = status_line(head).map(|code| code.0);
             assert_eq!(found, status, "{}", String::from_utf8_lossy(head));
         }
     }
