@@ -473,16 +473,17 @@ async fn a_redis_outage_is_503_at_once_and_recovers_by_itself() {
     }
 }
 
-/// A waiter that Redis's loss wakes claims again and meets the store down:
-/// it was told another request holds the key, so even with `on_error =
-/// "pass"` it answers 409 rather than forward a certain duplicate.
+/// A waiter that Redis's loss wakes claims again, until its `wait_timeout`,
+/// and meets the store down: it was told another request holds the key, so
+/// even with `on_error = "pass"` it answers 409 rather than forward a
+/// certain duplicate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_whose_claim_again_fails_is_409_even_when_store_errors_pass() {
     let mut redis = RedisServer::start();
     let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_secs(2))).await;
     let proxy = Proxy::start_with_store(
         &upstream.url(),
-        &format!("[store]\non_error = \"pass\"\n[defaults]\non_in_flight = \"wait\"\n{ROUTE}"),
+        &format!("[store]\non_error = \"pass\"\n[defaults]\non_in_flight = \"wait\"\nwait_timeout = \"2s\"\n{ROUTE}"),
         redis_store(&redis.url()),
     )
     .await;
@@ -957,4 +958,41 @@ async fn a_redis_user_denied_the_channel_still_completes_a_waited_on_record() {
         store.claim(&key, &fp, Owner::new(), lease, None).await.unwrap(),
         Claim::Completed { .. }
     ));
+}
+
+/// A waiter (`on_in_flight = "wait"`) whose store stops answering for a
+/// while claims again, within `wait_timeout`, and gets the first request's
+/// answer: a moment's outage is no 409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_rides_out_a_store_that_stops_answering_for_a_while() {
+    let server = RedisServer::start();
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(1500))).await;
+    let route =
+        "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\non_in_flight = \"wait\"\nwait_timeout = \"10s\"\n";
+    let store = redis_store_within(&server.url(), Duration::from_millis(300));
+    let proxy = Proxy::start_with_store(&upstream.url(), route, store).await;
+    let client = TestClient::default();
+    let first = tokio::spawn({
+        let (client, url) = (client.clone(), proxy.url("/v1/orders"));
+        async move { client.post(&url, "w", "{}").await }
+    });
+    while upstream.hits() < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let waiter = tokio::spawn({
+        let (client, url) = (client.clone(), proxy.url("/v1/orders"));
+        async move { client.post(&url, "w", "{}").await }
+    });
+    // The waiter claims again a second into its wait (or when woken), and
+    // finds writes paused for two: claims time out until then, and the
+    // first request's completion lands on a retry after.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert!(server.cli(&["client", "pause", "2000", "write"]).is_some());
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    let waiter = waiter.await.unwrap();
+    assert_eq!(waiter.status, StatusCode::CREATED, "{}", waiter.text());
+    assert!(waiter.replayed());
+    assert_eq!(waiter.body, first.body);
+    assert_eq!(upstream.hits(), 1);
 }

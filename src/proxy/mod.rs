@@ -93,6 +93,23 @@ pub struct Gateway {
     context: Arc<Context>,
 }
 
+/// How long a waiting request pauses after a store error before it claims
+/// again: a dropped connection or a failover is over in moments, and the
+/// wait's budget bounds the tries (at most one each pause).
+const WAIT_RETRY_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// After a store error while a request waits on another: pauses, and says
+/// to claim again, while `wait_until` leaves time; `false` when it has
+/// passed, and the wait ends.
+async fn pause_before_claiming_again(wait_until: Instant) -> bool {
+    let left = wait_until.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return false;
+    }
+    tokio::time::sleep(left.min(WAIT_RETRY_PAUSE)).await;
+    true
+}
+
 /// The scope header values a record was made with, to find it by.
 pub enum ScopeValues {
     /// One value a header, in the order of the route's `scope`; headers
@@ -576,9 +593,12 @@ impl Gateway {
                         match self.context.store.wait(&record_key, wait_until - answered).await {
                             Ok(()) => continue,
                             Err(error) => {
+                                telemetry::warn_throttled!(error, "waiting on the store failed", route = %live.route.name);
+                                if pause_before_claiming_again(wait_until).await {
+                                    continue;
+                                }
                                 // The store said another request holds the key:
                                 // even with on_error = "pass", do not forward.
-                                telemetry::warn_throttled!(error, "waiting on the store failed", route = %live.route.name);
                                 Problem::RequestInFlight
                             }
                         }
@@ -596,14 +616,14 @@ impl Gateway {
                 }
                 Err(error) => {
                     telemetry::warn_throttled!(error, "store claim failed", route = %live.route.name);
-                    if wait_until.is_some() {
-                        // Claiming again after a wait: the store had said
-                        // another request holds the key, so, as when the
-                        // wait itself fails, do not forward even with
-                        // on_error = "pass".
-                        Problem::RequestInFlight
-                    } else {
-                        Problem::StoreUnavailable
+                    match wait_until {
+                        // Claiming again after a wait, with time left.
+                        Some(wait_until) if pause_before_claiming_again(wait_until).await => continue,
+                        // The store had said another request holds the
+                        // key, so, as when the wait itself fails, do not
+                        // forward even with on_error = "pass".
+                        Some(_) => Problem::RequestInFlight,
+                        None => Problem::StoreUnavailable,
                     }
                 }
             };
