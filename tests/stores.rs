@@ -996,3 +996,71 @@ async fn a_waiter_rides_out_a_store_that_stops_answering_for_a_while() {
     assert_eq!(waiter.body, first.body);
     assert_eq!(upstream.hits(), 1);
 }
+
+/// Sends each line of `commands` to the Redis on `port`, through one
+/// redis-cli (thousands of `CLUSTER SETSLOT`s, say).
+fn cli_lines(port: u16, commands: &str) {
+    use std::io::Write;
+    let mut child = std::process::Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(commands.as_bytes()).unwrap();
+    assert!(child.wait().unwrap().success());
+}
+
+/// Slots being migrated (`ASK` redirects) under concurrent load: every
+/// request is claimed and completed where the slot's keys now go, and its
+/// retry replayed. redis-rs's own redirect sends `ASKING` and the command
+/// apart, and under load another command took the flag between them: the
+/// redirected ones were answered `MOVED`, and the slot map rebuilds that
+/// followed stalled the cluster connection (nearly every request 503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_migrating_slots_under_load_answers_every_request() {
+    let cluster = RedisCluster::start();
+    let ids: Vec<String> = cluster
+        .nodes
+        .iter()
+        .map(|n| n.cli(&["cluster", "myid"]).unwrap().trim().to_string())
+        .collect();
+    let upstream = Upstream::created().await;
+    let store = StoreHandle::new(
+        Arc::new(RedisStore::cluster(&cluster.urls(), "idemgate", Duration::from_secs(2)).unwrap()),
+        Duration::from_secs(2),
+    );
+    let proxy = Proxy::start_with_store(&upstream.url(), ROUTE, store).await;
+    let client = TestClient::default();
+    assert_eq!(client.post(&proxy.url("/v1/orders"), "warm", "{}").await.status, 201);
+    // The first node's slots (a third of them), on their way to the second.
+    let importing: String = (0..5461)
+        .map(|s| format!("cluster setslot {s} importing {}\n", ids[0]))
+        .collect();
+    cli_lines(cluster.nodes[1].port, &importing);
+    let migrating: String = (0..5461)
+        .map(|s| format!("cluster setslot {s} migrating {}\n", ids[1]))
+        .collect();
+    cli_lines(cluster.nodes[0].port, &migrating);
+    let runs: Vec<_> = (0..300)
+        .map(|i| {
+            let (client, url) = (client.clone(), proxy.url("/v1/orders"));
+            tokio::spawn(async move {
+                let key = format!("ask-{i}");
+                let first = client.post(&url, &key, "{}").await;
+                let again = client.post(&url, &key, "{}").await;
+                (first.status.as_u16(), again.status.as_u16(), again.replayed())
+            })
+        })
+        .collect();
+    let mut tally = std::collections::BTreeMap::new();
+    for run in runs {
+        *tally.entry(run.await.unwrap()).or_insert(0) += 1;
+    }
+    assert_eq!(
+        tally,
+        [((201, 201, true), 300)].into(),
+        "(first, retry, replayed): requests"
+    );
+    assert_eq!(upstream.hits(), 301);
+}

@@ -452,9 +452,74 @@ impl Conn {
     async fn query<T: redis::FromRedisValue>(&mut self, command: &redis::Cmd) -> Result<T, RedisError> {
         match self {
             Conn::Single(connection) => connection.query(command).await,
-            Conn::Cluster(connection) => command.query_async(connection).await,
+            Conn::Cluster(connection) => {
+                let mut retries = 0;
+                loop {
+                    let mut result = command.query_async(connection).await;
+                    if let Err(error) = &result
+                        && error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask)
+                    {
+                        result = follow_ask(connection, command, error).await;
+                    }
+                    // As redis-rs would retry (see `RedisStore::cluster`).
+                    let retry = match &result {
+                        Err(error) if retries < CLUSTER_RETRIES => error.retry_method(),
+                        _ => return result,
+                    };
+                    retries += 1;
+                    match retry {
+                        redis::RetryMethod::NoRetry => return result,
+                        redis::RetryMethod::WaitAndRetry => tokio::time::sleep(CLUSTER_RETRY_PAUSE * retries).await,
+                        // A redirect's slot map, or a connection, is made
+                        // again by the client before the command goes again.
+                        _ => {}
+                    }
+                }
+            }
         }
     }
+}
+
+/// How many times a command a cluster refused for a moment (a redirect, a
+/// dropped connection, `TRYAGAIN`) is sent again, as redis-rs's own
+/// `retries` would.
+const CLUSTER_RETRIES: u32 = 2;
+
+/// The pause before sending again a command a cluster said to try later
+/// (`TRYAGAIN`, `CLUSTERDOWN`), times the tries so far.
+const CLUSTER_RETRY_PAUSE: Duration = Duration::from_millis(50);
+
+/// Sends `command` where the `ASK` redirect `error` says (its key's slot
+/// is being migrated there), after `ASKING`, the two as one pipeline.
+///
+/// redis-rs would follow an `ASK` itself, but sends `ASKING` and the
+/// command apart on the node's shared connection: under load another
+/// command comes between them and takes the one-shot flag, the redirected
+/// one is answered `MOVED`, and each such answer has the client rebuild
+/// its slot map, which stalled the connection. So its retries are off
+/// (see `RedisStore::cluster`), [`Conn::query`] makes them, and an `ASK`
+/// comes here: as one pipeline, nothing comes between the two.
+async fn follow_ask<T: redis::FromRedisValue>(
+    connection: &mut ClusterConnection,
+    command: &redis::Cmd,
+    error: &RedisError,
+) -> Result<T, RedisError> {
+    use redis::cluster_routing::SingleNodeRoutingInfo;
+    let node = error.redirect_node().and_then(|(node, _slot)| {
+        let (host, port) = node.rsplit_once(':')?;
+        Some((host.trim_matches(['[', ']']).to_owned(), port.parse().ok()?))
+    });
+    let Some((host, port)) = node else {
+        return Err(error.clone());
+    };
+    let mut pipeline = redis::pipe();
+    pipeline.cmd("ASKING").add_command(command.clone());
+    // The command's answer alone, past ASKING's.
+    let mut answers = connection
+        .route_pipeline(pipeline, 1, 1, SingleNodeRoutingInfo::ByAddress { host, port })
+        .await?;
+    let answer = answers.pop().ok_or_else(|| error.clone())?.extract_error()?;
+    Ok(redis::from_redis_value(answer)?)
 }
 
 /// One value per thread, found without a lock: one map behind a mutex,
@@ -681,7 +746,9 @@ impl RedisStore {
         let client = redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
             .connection_timeout(timeout)
             .response_timeout(timeout)
-            .retries(2)
+            // Retried by `Conn::query` instead, which follows an ASK
+            // redirect itself (see `follow_ask`).
+            .retries(0)
             .tcp_settings(tcp_settings())
             .build()
             .map_err(unavailable)?;
