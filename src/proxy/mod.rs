@@ -100,7 +100,9 @@ const WAIT_RETRY_PAUSE: std::time::Duration = std::time::Duration::from_millis(1
 
 /// After a store error while a request waits on another: pauses, and says
 /// to claim again, while `wait_until` leaves time; `false` when it has
-/// passed, and the wait ends.
+/// passed, and the wait ends. The claim made again must be another
+/// owner's: the failed claim may yet land, and the release that follows
+/// it, owner-checked, would take a claim of the same owner's that won.
 async fn pause_before_claiming_again(wait_until: Instant) -> bool {
     let left = wait_until.saturating_duration_since(Instant::now());
     if left.is_zero() {
@@ -535,7 +537,7 @@ impl Gateway {
         drop(json);
 
         // 5. Claim.
-        let owner = Owner::new();
+        let mut owner = Owner::new();
         let refresh = policy.refresh_ttl_on_replay.then_some(policy.ttl);
         // Set when the key is first found in flight.
         let mut wait_until = None;
@@ -553,6 +555,7 @@ impl Gateway {
         // released, and never taken for one the upstream may have seen).
         let (claimed_at, answered_at) = loop {
             unsettled.armed = true;
+            unsettled.owner = owner;
             let started = Instant::now();
             let claim = self
                 .context
@@ -595,6 +598,7 @@ impl Gateway {
                             Err(error) => {
                                 telemetry::warn_throttled!(error, "waiting on the store failed", route = %live.route.name);
                                 if pause_before_claiming_again(wait_until).await {
+                                    owner = Owner::new();
                                     continue;
                                 }
                                 // The store said another request holds the key:
@@ -618,7 +622,10 @@ impl Gateway {
                     telemetry::warn_throttled!(error, "store claim failed", route = %live.route.name);
                     match wait_until {
                         // Claiming again after a wait, with time left.
-                        Some(wait_until) if pause_before_claiming_again(wait_until).await => continue,
+                        Some(wait_until) if pause_before_claiming_again(wait_until).await => {
+                            owner = Owner::new();
+                            continue;
+                        }
                         // The store had said another request holds the
                         // key, so, as when the wait itself fails, do not
                         // forward even with on_error = "pass".
