@@ -1011,20 +1011,36 @@ fn cli_lines(port: u16, commands: &str) {
     assert!(child.wait().unwrap().success());
 }
 
-/// Slots being migrated (`ASK` redirects) under concurrent load: every
-/// request is claimed and completed where the slot's keys now go, and its
-/// retry replayed. redis-rs's own redirect sends `ASKING` and the command
-/// apart, and under load another command took the flag between them: the
-/// redirected ones were answered `MOVED`, and the slot map rebuilds that
-/// followed stalled the cluster connection (nearly every request 503).
+/// Slots being migrated (`ASK` redirects) under concurrent load, to a node
+/// just added, which holds no slots yet: every request is claimed and
+/// completed where the slot's keys now go, and its retry replayed.
+/// redis-rs's own redirect sends `ASKING` and the command apart, and under
+/// load another command took the flag between them: the redirected ones
+/// were answered `MOVED`, and the slot map rebuilds that followed stalled
+/// the cluster connection (nearly every request 503). And the cluster
+/// client keeps no connection to a node that holds no slots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_migrating_slots_under_load_answers_every_request() {
     let cluster = RedisCluster::start();
-    let ids: Vec<String> = cluster
-        .nodes
-        .iter()
-        .map(|n| n.cli(&["cluster", "myid"]).unwrap().trim().to_string())
-        .collect();
+    let added = RedisServer::start_cluster_node();
+    let first = &cluster.nodes[0];
+    assert!(
+        first
+            .cli(&["cluster", "meet", "127.0.0.1", &added.port.to_string()])
+            .is_some()
+    );
+    let id = |node: &RedisServer| node.cli(&["cluster", "myid"]).unwrap().trim().to_string();
+    let ids = [id(first), id(&added)];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for node in cluster.nodes.iter().chain([&added]) {
+        while !node
+            .cli(&["cluster", "nodes"])
+            .is_some_and(|n| n.lines().count() == 4 && !n.contains("handshake") && !n.contains("noaddr"))
+        {
+            assert!(Instant::now() < deadline, "the node was never met");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
     let upstream = Upstream::created().await;
     let store = StoreHandle::new(
         Arc::new(RedisStore::cluster(&cluster.urls(), "idemgate", Duration::from_secs(2)).unwrap()),
@@ -1033,15 +1049,15 @@ async fn a_cluster_migrating_slots_under_load_answers_every_request() {
     let proxy = Proxy::start_with_store(&upstream.url(), ROUTE, store).await;
     let client = TestClient::default();
     assert_eq!(client.post(&proxy.url("/v1/orders"), "warm", "{}").await.status, 201);
-    // The first node's slots (a third of them), on their way to the second.
+    // The first node's slots (a third of them), on their way to the new one.
     let importing: String = (0..5461)
         .map(|s| format!("cluster setslot {s} importing {}\n", ids[0]))
         .collect();
-    cli_lines(cluster.nodes[1].port, &importing);
+    cli_lines(added.port, &importing);
     let migrating: String = (0..5461)
         .map(|s| format!("cluster setslot {s} migrating {}\n", ids[1]))
         .collect();
-    cli_lines(cluster.nodes[0].port, &migrating);
+    cli_lines(first.port, &migrating);
     let runs: Vec<_> = (0..300)
         .map(|i| {
             let (client, url) = (client.clone(), proxy.url("/v1/orders"));
@@ -1063,4 +1079,7 @@ async fn a_cluster_migrating_slots_under_load_answers_every_request() {
         "(first, retry, replayed): requests"
     );
     assert_eq!(upstream.hits(), 301);
+    // The records of the migrating slots went to the new node.
+    let there = added.cli(&["dbsize"]).unwrap();
+    assert!(there.trim().parse::<u32>().unwrap() > 50, "{there}");
 }

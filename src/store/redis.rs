@@ -32,6 +32,7 @@
 //! completes (`redis.pcall`); its waiters re-check twice a second.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::ThreadId;
@@ -410,19 +411,58 @@ enum Connection {
     Cluster {
         client: Box<redis::cluster::ClusterClient>,
         connections: PerThread<Arc<ClusterSlot>>,
+        /// How to reach a node an `ASK` redirect names (see [`follow_ask`]).
+        redirects: Arc<RedirectTo>,
     },
+}
+
+/// How [`follow_ask`] connects to a node: as to the first of the cluster's
+/// URLs (its user and password), at the node's address.
+struct RedirectTo {
+    info: redis::ConnectionInfo,
+    config: redis::AsyncConnectionConfig,
 }
 
 /// A thread's cluster connection, made on first use. A connect that fails
 /// backs off as a single server's does ([`resp::Backoff`]): calls meanwhile
 /// fail at once, as not sent, instead of each trying the nodes again.
-#[derive(Default)]
 struct ClusterSlot {
     connection: OnceCell<ClusterConnection>,
     backoff: Mutex<resp::Backoff>,
+    redirect_to: Arc<RedirectTo>,
+    /// A connection of the thread's own to each node an `ASK` redirect has
+    /// named, by address, made on first use (see [`follow_ask`]).
+    redirects: Mutex<HashMap<(String, u16), redis::aio::MultiplexedConnection>>,
 }
 
 impl ClusterSlot {
+    fn new(redirect_to: Arc<RedirectTo>) -> ClusterSlot {
+        ClusterSlot {
+            connection: OnceCell::new(),
+            backoff: Mutex::default(),
+            redirect_to,
+            redirects: Mutex::default(),
+        }
+    }
+
+    /// This thread's connection to the node at `host:port`.
+    async fn redirect(&self, host: &str, port: u16) -> Result<redis::aio::MultiplexedConnection, RedisError> {
+        let address = (host.to_owned(), port);
+        if let Some(connection) = lock(&self.redirects).get(&address) {
+            return Ok(connection.clone());
+        }
+        let to = &self.redirect_to;
+        let info = to
+            .info
+            .clone()
+            .set_addr(redis::ConnectionAddr::Tcp(address.0.clone(), port));
+        let connection = redis::Client::open(info)?
+            .get_multiplexed_async_connection_with_config(&to.config)
+            .await?;
+        lock(&self.redirects).insert(address, connection.clone());
+        Ok(connection)
+    }
+
     async fn connect(&self, client: &redis::cluster::ClusterClient) -> Result<ClusterConnection, StoreError> {
         if let Some(why) = lock(&self.backoff).waiting() {
             return Err(StoreError::NotSent(why.into()));
@@ -444,7 +484,7 @@ impl ClusterSlot {
 /// A connection of either kind.
 enum Conn {
     Single(resp::Connection),
-    Cluster(ClusterConnection),
+    Cluster(ClusterConnection, Arc<ClusterSlot>),
 }
 
 impl Conn {
@@ -452,18 +492,20 @@ impl Conn {
     async fn query<T: redis::FromRedisValue>(&mut self, command: &redis::Cmd) -> Result<T, RedisError> {
         match self {
             Conn::Single(connection) => connection.query(command).await,
-            Conn::Cluster(connection) => {
+            Conn::Cluster(connection, slot) => {
                 let mut retries = 0;
                 loop {
                     let mut result = command.query_async(connection).await;
                     if let Err(error) = &result
                         && error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask)
                     {
-                        result = follow_ask(connection, command, error).await;
+                        result = follow_ask(slot, command, error).await;
                     }
-                    // As redis-rs would retry (see `RedisStore::cluster`).
+                    // As redis-rs retried (see `RedisStore::cluster`), but
+                    // for a timeout: its own covered all its tries, and the
+                    // command (a claim, a completion) may yet run.
                     let retry = match &result {
-                        Err(error) if retries < CLUSTER_RETRIES => error.retry_method(),
+                        Err(error) if retries < CLUSTER_RETRIES && !error.is_timeout() => error.retry_method(),
                         _ => return result,
                     };
                     retries += 1;
@@ -482,7 +524,7 @@ impl Conn {
 
 /// How many times a command a cluster refused for a moment (a redirect, a
 /// dropped connection, `TRYAGAIN`) is sent again, as redis-rs's own
-/// `retries` would.
+/// `retries` did.
 const CLUSTER_RETRIES: u32 = 2;
 
 /// The pause before sending again a command a cluster said to try later
@@ -490,7 +532,8 @@ const CLUSTER_RETRIES: u32 = 2;
 const CLUSTER_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
 /// Sends `command` where the `ASK` redirect `error` says (its key's slot
-/// is being migrated there), after `ASKING`, the two as one pipeline.
+/// is being migrated there), after `ASKING`, the two as one pipeline on a
+/// connection to that node of the thread's own.
 ///
 /// redis-rs would follow an `ASK` itself, but sends `ASKING` and the
 /// command apart on the node's shared connection: under load another
@@ -498,13 +541,14 @@ const CLUSTER_RETRY_PAUSE: Duration = Duration::from_millis(50);
 /// one is answered `MOVED`, and each such answer has the client rebuild
 /// its slot map, which stalled the connection. So its retries are off
 /// (see `RedisStore::cluster`), [`Conn::query`] makes them, and an `ASK`
-/// comes here: as one pipeline, nothing comes between the two.
+/// comes here: as one pipeline, nothing comes between the two. Not through
+/// the cluster client's own connections, which reach only the nodes that
+/// hold slots: the node a slot migrates to may be new, and hold none yet.
 async fn follow_ask<T: redis::FromRedisValue>(
-    connection: &mut ClusterConnection,
+    slot: &ClusterSlot,
     command: &redis::Cmd,
     error: &RedisError,
 ) -> Result<T, RedisError> {
-    use redis::cluster_routing::SingleNodeRoutingInfo;
     let node = error.redirect_node().and_then(|(node, _slot)| {
         let (host, port) = node.rsplit_once(':')?;
         Some((host.trim_matches(['[', ']']).to_owned(), port.parse().ok()?))
@@ -512,12 +556,15 @@ async fn follow_ask<T: redis::FromRedisValue>(
     let Some((host, port)) = node else {
         return Err(error.clone());
     };
+    let mut connection = slot.redirect(&host, port).await?;
     let mut pipeline = redis::pipe();
-    pipeline.cmd("ASKING").add_command(command.clone());
-    // The command's answer alone, past ASKING's.
-    let mut answers = connection
-        .route_pipeline(pipeline, 1, 1, SingleNodeRoutingInfo::ByAddress { host, port })
-        .await?;
+    pipeline.cmd("ASKING").ignore().add_command(command.clone());
+    let answers: Result<Vec<redis::Value>, RedisError> = pipeline.query_async(&mut connection).await;
+    let mut answers = answers.inspect_err(|error| {
+        if error.is_io_error() || error.is_connection_dropped() {
+            lock(&slot.redirects).remove(&(host.clone(), port));
+        }
+    })?;
     let answer = answers.pop().ok_or_else(|| error.clone())?.extract_error()?;
     Ok(redis::from_redis_value(answer)?)
 }
@@ -758,9 +805,19 @@ impl RedisStore {
             .map(|u| open(u))
             .collect::<Result<Vec<_>, _>>()
             .map_err(unavailable)?;
+        let first = nodes
+            .first()
+            .ok_or_else(|| StoreError::NotSent("no Redis Cluster URL".into()))?;
+        let redirects = Arc::new(RedirectTo {
+            info: first.get_connection_info().clone(),
+            config: redis::AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(timeout))
+                .set_response_timeout(Some(timeout)),
+        });
         let connection = Connection::Cluster {
             client: Box::new(client),
             connections: PerThread::new(),
+            redirects,
         };
         Ok(RedisStore::new(connection, KeyPrefix::new(prefix), nodes))
     }
@@ -799,12 +856,16 @@ impl RedisStore {
                 .get_or(|| Ok(resp::Connection::new(target.clone())))
                 .map(Conn::Single)
                 .map_err(unavailable),
-            Connection::Cluster { client, connections } => {
+            Connection::Cluster {
+                client,
+                connections,
+                redirects,
+            } => {
                 let slot = connections
-                    .get_or(|| Ok(Arc::new(ClusterSlot::default())))
+                    .get_or(|| Ok(Arc::new(ClusterSlot::new(redirects.clone()))))
                     .map_err(unavailable)?;
                 let connection = slot.connection.get_or_try_init(|| slot.connect(client)).await?;
-                Ok(Conn::Cluster(connection.clone()))
+                Ok(Conn::Cluster(connection.clone(), slot))
             }
         }
     }

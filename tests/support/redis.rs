@@ -103,6 +103,16 @@ impl RedisServer {
         server
     }
 
+    /// A node in cluster mode that holds no slots, to be met by a cluster.
+    pub fn start_cluster_node() -> RedisServer {
+        let port = free_port(true);
+        let config_file = format!("nodes-{port}.conf");
+        RedisServer::start_with(
+            port,
+            &["--cluster-enabled", "yes", "--cluster-config-file", &config_file],
+        )
+    }
+
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
