@@ -106,6 +106,7 @@ fn script(path: &str) -> (&'static [u8], bool) {
         "/stall-busy" => (b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 1\r\n", false),
         "/stall-continue" => (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\n", false),
         "/stall-interim" => (b"HTTP/1.1 100 Continue\r\n\r\n", false),
+        "/stall-below-100" => (b"HTTP/1.1 099 Weird\r\n", false),
         _ => (b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n", false),
     }
 }
@@ -498,6 +499,7 @@ on_upstream_failure = "release"
         ("/stall-continue", true),
         ("/stall-busy", false),
         ("/stall-interim", false),
+        ("/stall-below-100", true),
     ];
     for (path, kept) in paths {
         let key = format!("k{path}");

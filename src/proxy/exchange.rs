@@ -563,7 +563,12 @@ impl Exchange {
         guard.sending(policy);
         let begun = HeadBegun::default();
         // What a head begun and cut off says of the outcome (see `fail`).
-        let begun_head = || begun.status().map(|status| !released(status, policy));
+        // A code below 100 is no status, and releases nothing.
+        let begun_head = || {
+            begun
+                .code()
+                .map(|code| !code.status().is_some_and(|status| released(status, policy)))
+        };
         let sent = guard
             .renewing_until(
                 deadline,
@@ -619,7 +624,7 @@ impl Exchange {
                 counters.count(TelemetryOutcome::UpstreamError);
                 // A head cut off by the deadline after its status line is
                 // settled by its status, as one cut off by a reset is.
-                let status = begun.status().map(|s| s.as_u16());
+                let status = begun.code().map(|code| code.as_u16());
                 tracing::warn!(route = %live.route.name, key = %key.tag(), status, "upstream timed out");
                 let problem = fail(guard, policy, Failure::Timeout, begun_head()).await;
                 let _ = reply.send(problem.response());

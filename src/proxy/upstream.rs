@@ -102,12 +102,13 @@ pub enum UpstreamError {
 pub struct HeadBegun(AtomicU16);
 
 impl HeadBegun {
-    pub fn status(&self) -> Option<StatusCode> {
-        StatusCode::from_u16(self.0.load(Ordering::Relaxed)).ok()
+    pub fn code(&self) -> Option<Code> {
+        // One more than the code, so that 0 is none and `000` a code.
+        self.0.load(Ordering::Relaxed).checked_sub(1).map(Code)
     }
 
-    fn note(&self, status: StatusCode) {
-        self.0.store(status.as_u16(), Ordering::Relaxed);
+    fn note(&self, code: Code) {
+        self.0.store(code.0 + 1, Ordering::Relaxed);
     }
 }
 
@@ -120,6 +121,10 @@ pub struct Code(u16);
 impl Code {
     pub fn status(self) -> Option<StatusCode> {
         StatusCode::from_u16(self.0).ok()
+    }
+
+    pub fn as_u16(self) -> u16 {
+        self.0
     }
 
     fn is_informational(self) -> bool {
@@ -324,9 +329,9 @@ struct Conn {
     buf: BytesMut,
     idle_since: Instant,
     /// A final answer that began before the request's body was sent
-    /// whole, by its status (see [`Conn::write_body`]): such a connection
+    /// whole, by its status code (see [`Conn::write_body`]): such a connection
     /// is not reused, as the upstream may not have read all the body.
-    early: Option<Option<StatusCode>>,
+    early: Option<Option<Code>>,
 }
 
 impl Conn {
@@ -437,10 +442,10 @@ impl Conn {
         loop {
             if self.early.is_none() {
                 match early(&self.buf) {
-                    Early::Final(status) => {
-                        self.early = Some(status);
-                        if let (Some(begun), Some(status)) = (begun, status) {
-                            begun.note(status);
+                    Early::Final(code) => {
+                        self.early = Some(code);
+                        if let (Some(begun), Some(code)) = (begun, code) {
+                            begun.note(code);
                         }
                     }
                     Early::TooLong => return Poll::Ready(Ok(())),
@@ -460,10 +465,12 @@ impl Conn {
     }
 }
 
-/// Whether an answer begun early (its status, `None` for bytes that are
-/// no answer) says the upstream wants no more of the body: an error.
-fn stops_the_body(status: Option<StatusCode>) -> bool {
-    status.is_none_or(|status| status.is_client_error() || status.is_server_error())
+/// Whether an answer begun early (its status code, `None` for bytes that
+/// are no answer) says the upstream wants no more of the body: an error,
+/// or a code below 100, which is no status.
+fn stops_the_body(code: Option<Code>) -> bool {
+    code.and_then(Code::status)
+        .is_none_or(|status| status.is_client_error() || status.is_server_error())
 }
 
 /// What the bytes an upstream sent while the request was still going out
@@ -471,8 +478,9 @@ fn stops_the_body(status: Option<StatusCode>) -> bool {
 enum Early {
     /// Nothing, interim answers, or too little to tell.
     NotYet,
-    /// A final answer's status, or `None`: bytes that are not an answer.
-    Final(Option<StatusCode>),
+    /// A final answer's status code, or `None`: bytes that are not an
+    /// answer.
+    Final(Option<Code>),
     /// Interim answers past the most a head may take.
     TooLong,
 }
@@ -484,9 +492,7 @@ fn early(buf: &[u8]) -> Early {
         at += buf[at..].iter().take_while(|b| matches!(b, b'\r' | b'\n')).count();
         let head = &buf[at..];
         match status_line(head) {
-            // Below 100, no status: stops the body as bytes that are no
-            // answer do, and reading the head refuses it by its code.
-            Some(code) if !code.is_informational() => return Early::Final(code.status()),
+            Some(code) if !code.is_informational() => return Early::Final(Some(code)),
             // An interim answer: what follows it, once it is whole.
             Some(_) => match head.windows(2).position(|w| w == b"\n\n" || w == b"\n\r") {
                 Some(end) if head.get(end + 1) == Some(&b'\n') => at += end + 2,
@@ -976,11 +982,9 @@ async fn read_head(
             return Err(refused(status_line(&conn.buf), "the response head is too large"));
         }
         if let Some(begun) = begun
-            && let Some(status) = status_line(&conn.buf)
-                .and_then(Code::status)
-                .filter(|s| !s.is_informational())
+            && let Some(code) = status_line(&conn.buf).filter(|code| !code.is_informational())
         {
-            begun.note(status);
+            begun.note(code);
         }
         if conn.fill().await.map_err(|error| broke_off(&conn.buf, error))? == 0 {
             return Err(broke_off(
