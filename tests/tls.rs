@@ -165,6 +165,33 @@ async fn a_silent_http2_client_over_tls_does_not_hold_the_drain() {
     drop(stream);
 }
 
+/// A connection that never finishes its TLS handshake (a silent one, or
+/// one that sent part of a ClientHello) is let go at shutdown at once, as a
+/// silent plain connection is, not after `header_read_timeout`.
+#[tokio::test]
+async fn an_unfinished_tls_handshake_does_not_hold_the_drain() {
+    use tokio::io::AsyncWriteExt;
+    let pki = Pki::new();
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(
+        &upstream.url(),
+        &format!(
+            "[server]\nheader_read_timeout = \"10s\"\nshutdown_grace = \"20s\"\n{}",
+            pki.listener_toml()
+        ),
+    )
+    .await;
+    let silent = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let mut partial = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    // The first bytes of a TLS record holding a ClientHello.
+    partial.write_all(&[0x16, 0x03, 0x01, 0x02, 0x00, 0x01]).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    tokio::time::timeout(std::time::Duration::from_secs(3), proxy.stop())
+        .await
+        .expect("the drain waited on a handshake");
+    drop((silent, partial));
+}
+
 #[tokio::test]
 async fn an_https_upstream_is_verified_against_upstream_ca() {
     let pki = Pki::new();

@@ -447,13 +447,19 @@ impl Server {
                 }
                 Some(acceptor) => {
                     // The handshake runs in the connection's own task, bounded
-                    // like a request head, so a slow client stalls nobody.
+                    // like a request head, so a slow client stalls nobody; and
+                    // given up at shutdown, as an idle connection is, so a
+                    // silent one holds no drain for `header_read_timeout`.
                     let acceptor = acceptor.clone();
                     connections.spawn(async move {
-                        let stream = match tokio::time::timeout(header_read_timeout, acceptor.accept(stream)).await {
-                            Ok(Ok(stream)) => stream,
-                            Ok(Err(error)) => return tracing::debug!(%error, "TLS handshake failed"),
-                            Err(_) => return tracing::debug!("TLS handshake timed out"),
+                        let handshake = tokio::time::timeout(header_read_timeout, acceptor.accept(stream));
+                        let stream = tokio::select! {
+                            handshake = handshake => match handshake {
+                                Ok(Ok(stream)) => stream,
+                                Ok(Err(error)) => return tracing::debug!(%error, "TLS handshake failed"),
+                                Err(_) => return tracing::debug!("TLS handshake timed out"),
+                            },
+                            () = stopping.cancelled() => return tracing::debug!("TLS handshake given up at shutdown"),
                         };
                         if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
                             let stream = Rewind::new(Bytes::new(), stream);
