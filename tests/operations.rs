@@ -421,6 +421,9 @@ async fn a_tokenless_records_page_answers_only_requests_for_this_machine() {
         ("GET", "evil.example"),
         ("DELETE", "evil.example:9901"),
         ("GET", "127.0.0.1.evil.example"),
+        // Not a host: userinfo, a port that is not digits.
+        ("GET", "evil.example@localhost"),
+        ("GET", "localhost:abc"),
     ] {
         let refused = client.send(method, &records, &[("host", host)], "").await;
         assert_eq!(refused.status, StatusCode::FORBIDDEN, "{method} {host}");

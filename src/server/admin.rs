@@ -353,10 +353,14 @@ fn for_this_machine(request: &Request<Incoming>) -> bool {
     let Some(host) = request.headers().get(http::header::HOST) else {
         return true;
     };
-    host.to_str()
-        .ok()
-        .and_then(|host| host.parse::<http::uri::Authority>().ok())
-        .is_some_and(|authority| local(authority.host()))
+    // A host (`host[:port]`, as the proxy's listener takes one): not
+    // `evil.example@localhost`, whose userinfo `Authority` would pass over.
+    crate::wire::valid_host(host.as_bytes())
+        && host
+            .to_str()
+            .ok()
+            .and_then(|host| host.parse::<http::uri::Authority>().ok())
+            .is_some_and(|authority| local(authority.host()))
 }
 
 /// A request to an admin listener, for the command line: the status and body.
