@@ -44,6 +44,8 @@ pub struct H2Body {
     /// Whether the timer counts the current wait (a frame came since it
     /// was set, or it was never set, when not).
     armed: bool,
+    /// When the timer was last set, on [`coarse_ms`].
+    armed_at: u64,
     waits: Option<Arc<ClientWaits>>,
     connection: Arc<UnreadBodies>,
     /// Whether this body is counted in `connection` (not waiting in a
@@ -59,20 +61,28 @@ pub struct H2Body {
 /// for every stream, so while there is one, another stream's client may
 /// have no window to send in, and its body's silence is not a stall.
 #[derive(Default)]
-pub struct UnreadBodies(AtomicUsize);
+pub struct UnreadBodies {
+    count: AtomicUsize,
+    /// When the count last fell to none, on [`coarse_ms`]: the window such
+    /// data held opens then, and a client that had none only begins to
+    /// send once the update reaches it.
+    emptied_at: AtomicU64,
+}
 
 impl UnreadBodies {
-    fn any(&self) -> bool {
-        self.0.load(Ordering::Relaxed) > 0
+    /// Whether a body may have held the window shut at any time since
+    /// `since` (on [`coarse_ms`]).
+    fn held_since(&self, since: u64) -> bool {
+        self.count.load(Ordering::Relaxed) > 0 || self.emptied_at.load(Ordering::Relaxed) > since
     }
 
     fn count(&self, counted: &mut bool, now: bool) {
         if *counted != now {
             *counted = now;
             if now {
-                self.0.fetch_add(1, Ordering::Relaxed);
-            } else {
-                self.0.fetch_sub(1, Ordering::Relaxed);
+                self.count.fetch_add(1, Ordering::Relaxed);
+            } else if self.count.fetch_sub(1, Ordering::Relaxed) == 1 {
+                self.emptied_at.store(coarse_ms(), Ordering::Relaxed);
             }
         }
     }
@@ -168,6 +178,7 @@ impl ClientBody {
             idle,
             timer: None,
             armed: false,
+            armed_at: 0,
             waits: None,
             connection,
             counted,
@@ -250,10 +261,13 @@ impl Body for ClientBody {
                                 None => h2.timer = Some(Box::pin(tokio::time::sleep_until(due))),
                             }
                             h2.armed = true;
+                            h2.armed_at = coarse_ms();
                         }
                         let timer = h2.timer.as_mut().expect("set above");
                         ready!(timer.as_mut().poll(cx));
-                        if !h2.connection.any() {
+                        // Held meanwhile, even if not now: the window may
+                        // have opened only a moment ago.
+                        if !h2.connection.held_since(h2.armed_at) {
                             return Poll::Ready(Some(Err(BodyStalled(idle).into())));
                         }
                         // The client may have had no window to send in:
