@@ -411,12 +411,12 @@ enum Connection {
     Cluster {
         client: Box<redis::cluster::ClusterClient>,
         connections: PerThread<Arc<ClusterSlot>>,
-        /// How to reach a node an `ASK` redirect names (see [`follow_ask`]).
+        /// How to reach a node a redirect names (see [`follow`]).
         redirects: Arc<RedirectTo>,
     },
 }
 
-/// How [`follow_ask`] connects to a node: as to the first of the cluster's
+/// How [`follow`] connects to a node: as to the first of the cluster's
 /// URLs (its user and password), at the node's address.
 struct RedirectTo {
     info: redis::ConnectionInfo,
@@ -430,8 +430,8 @@ struct ClusterSlot {
     connection: OnceCell<ClusterConnection>,
     backoff: Mutex<resp::Backoff>,
     redirect_to: Arc<RedirectTo>,
-    /// A connection of the thread's own to each node an `ASK` redirect has
-    /// named, by address, made on first use (see [`follow_ask`]).
+    /// A connection of the thread's own to each node a redirect has
+    /// named, by address, made on first use (see [`follow`]).
     redirects: Mutex<HashMap<(String, u16), redis::aio::MultiplexedConnection>>,
 }
 
@@ -494,26 +494,31 @@ impl Conn {
             Conn::Single(connection) => connection.query(command).await,
             Conn::Cluster(connection, slot) => {
                 let mut retries = 0;
+                let mut redirect = None;
                 loop {
-                    let mut result = command.query_async(connection).await;
-                    if let Err(error) = &result
-                        && error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask)
-                    {
-                        result = follow_ask(slot, command, error).await;
-                    }
+                    let result = match &redirect {
+                        None => command.query_async(connection).await,
+                        Some(to) => follow(slot, command, to).await,
+                    };
                     // As redis-rs retried (see `RedisStore::cluster`), but
                     // for a timeout: its own covered all its tries, and the
                     // command (a claim, a completion) may yet run.
-                    let retry = match &result {
-                        Err(error) if retries < CLUSTER_RETRIES && !error.is_timeout() => error.retry_method(),
+                    let error = match &result {
+                        Err(error) if retries < CLUSTER_RETRIES && !error.is_timeout() => error,
                         _ => return result,
                     };
                     retries += 1;
-                    match retry {
+                    redirect = None;
+                    match error.retry_method() {
                         redis::RetryMethod::NoRetry => return result,
                         redis::RetryMethod::WaitAndRetry => tokio::time::sleep(CLUSTER_RETRY_PAUSE * retries).await,
-                        // A redirect's slot map, or a connection, is made
-                        // again by the client before the command goes again.
+                        // Straight to the node named, as redis-rs did: its
+                        // slot map may not know yet.
+                        redis::RetryMethod::AskRedirect | redis::RetryMethod::MovedRedirect => {
+                            redirect = Some(error.clone());
+                        }
+                        // A connection is made again by the client before
+                        // the command goes again.
                         _ => {}
                     }
                 }
@@ -531,20 +536,22 @@ const CLUSTER_RETRIES: u32 = 2;
 /// (`TRYAGAIN`, `CLUSTERDOWN`), times the tries so far.
 const CLUSTER_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
-/// Sends `command` where the `ASK` redirect `error` says (its key's slot
-/// is being migrated there), after `ASKING`, the two as one pipeline on a
-/// connection to that node of the thread's own.
+/// Sends `command` where the redirect `error` says, on a connection to
+/// that node of the thread's own: after `MOVED` (the slot has moved there;
+/// the cluster client rebuilds its slot map meanwhile), or after `ASK`
+/// (the slot is being migrated there) with `ASKING` before it, the two as
+/// one pipeline.
 ///
 /// redis-rs would follow an `ASK` itself, but sends `ASKING` and the
 /// command apart on the node's shared connection: under load another
 /// command comes between them and takes the one-shot flag, the redirected
 /// one is answered `MOVED`, and each such answer has the client rebuild
 /// its slot map, which stalled the connection. So its retries are off
-/// (see `RedisStore::cluster`), [`Conn::query`] makes them, and an `ASK`
+/// (see `RedisStore::cluster`), [`Conn::query`] makes them, and a redirect
 /// comes here: as one pipeline, nothing comes between the two. Not through
 /// the cluster client's own connections, which reach only the nodes that
 /// hold slots: the node a slot migrates to may be new, and hold none yet.
-async fn follow_ask<T: redis::FromRedisValue>(
+async fn follow<T: redis::FromRedisValue>(
     slot: &ClusterSlot,
     command: &redis::Cmd,
     error: &RedisError,
@@ -558,7 +565,10 @@ async fn follow_ask<T: redis::FromRedisValue>(
     };
     let mut connection = slot.redirect(&host, port).await?;
     let mut pipeline = redis::pipe();
-    pipeline.cmd("ASKING").ignore().add_command(command.clone());
+    if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask) {
+        pipeline.cmd("ASKING").ignore();
+    }
+    pipeline.add_command(command.clone());
     let answers: Result<Vec<redis::Value>, RedisError> = pipeline.query_async(&mut connection).await;
     let mut answers = answers.inspect_err(|error| {
         if error.is_io_error() || error.is_connection_dropped() {
@@ -794,7 +804,7 @@ impl RedisStore {
             .connection_timeout(timeout)
             .response_timeout(timeout)
             // Retried by `Conn::query` instead, which follows an ASK
-            // redirect itself (see `follow_ask`).
+            // redirect itself (see `follow`).
             .retries(0)
             .tcp_settings(tcp_settings())
             .build()
