@@ -404,6 +404,19 @@ impl Noted {
     }
 }
 
+/// Why a request's `Host` lines refuse it (RFC 9112 §3.2, as nginx): more
+/// than one, or one that is not a host ([`valid_host`]); it picks the
+/// route and travels on as X-Forwarded-Host.
+pub fn host_refusal(lines: usize, bad: bool) -> Option<&'static str> {
+    if lines > 1 {
+        Some("a request has one host header, not more")
+    } else if bad {
+        Some("the host header is not a host")
+    } else {
+        None
+    }
+}
+
 /// Whether a `Host` value is one (RFC 9112 §3.2): `uri-host [":" port]`,
 /// or empty when the target has no authority. The host is a name or IPv4
 /// address (RFC 3986's unreserved, pct-encoded and sub-delims characters)

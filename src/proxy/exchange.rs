@@ -28,7 +28,7 @@ use tokio_util::task::TaskTracker;
 
 use super::body::{BodySender, ClientBody, ResponseBody};
 use super::problem::Problem;
-use super::upstream::{HeadBegun, OnStale, UpstreamError};
+use super::upstream::{Code, HeadBegun, OnStale, UpstreamError};
 use super::{Context, LiveRoute};
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
 use crate::store::{Fingerprint, Outcome, Owner, Record, RecordKey, StoreHandle, StoredResponse};
@@ -563,12 +563,7 @@ impl Exchange {
         guard.sending(policy);
         let begun = HeadBegun::default();
         // What a head begun and cut off says of the outcome (see `fail`).
-        // A code below 100 is no status, and releases nothing.
-        let begun_head = || {
-            begun
-                .code()
-                .map(|code| !code.status().is_some_and(|status| released(status, policy)))
-        };
+        let begun_head = || begun.code().map(|code| !released(code, policy));
         let sent = guard
             .renewing_until(
                 deadline,
@@ -598,7 +593,7 @@ impl Exchange {
                 // route releases, as a well-formed answer's would be.
                 counters.count(TelemetryOutcome::UpstreamError);
                 let error = error_chain(&error);
-                if code.status().is_some_and(|status| released(status, policy)) {
+                if released(code, policy) {
                     tracing::warn!(route = %live.route.name, key = %key.tag(), error, "the upstream's answer cannot be passed on");
                     guard.release().await;
                     let problem = Problem::UpstreamUnavailable("the upstream's answer cannot be passed on".into());
@@ -633,7 +628,7 @@ impl Exchange {
         };
 
         let (head, mut body) = response.into_parts();
-        let keep = !released(head.status, policy);
+        let keep = !released(head.status.into(), policy);
         let limit = usize::try_from(policy.max_response_body).unwrap_or(usize::MAX);
         let status = head.status;
 
@@ -864,11 +859,14 @@ fn not_acted_on(status: http::StatusCode) -> bool {
     matches!(status.as_u16(), 408 | 425 | 429)
 }
 
-/// Whether an answer of `status` releases its key rather than being
+/// Whether an answer with status `code` releases its key rather than being
 /// recorded: the backend did not act on it ([`not_acted_on`]), or it is a
-/// 5xx on a route with `on_server_error = "release"`.
-fn released(status: http::StatusCode, policy: &Policy) -> bool {
-    not_acted_on(status) || status.is_server_error() && policy.on_server_error == OnServerError::Release
+/// 5xx on a route with `on_server_error = "release"`. A code below 100 is
+/// no status, and releases nothing.
+fn released(code: Code, policy: &Policy) -> bool {
+    code.status().is_some_and(|status| {
+        not_acted_on(status) || status.is_server_error() && policy.on_server_error == OnServerError::Release
+    })
 }
 
 #[cfg(test)]

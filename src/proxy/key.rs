@@ -206,8 +206,7 @@ where
 /// 9110 §5.3), and a proxy on the way may join them (Envoy does, with
 /// ","): a retry that reaches idemgate so joined must find the record its
 /// first try made. One line hashes as it always has.
-pub(crate) fn hash_lines<V: AsRef<[u8]>>(hasher: &mut Sha256, tag: &[u8], lines: impl Iterator<Item = V>) -> bool {
-    let mut lines = lines;
+pub(crate) fn hash_lines<V: AsRef<[u8]>>(hasher: &mut Sha256, tag: &[u8], mut lines: impl Iterator<Item = V>) -> bool {
     let Some(first) = lines.next() else {
         return false;
     };

@@ -100,9 +100,7 @@ const WAIT_RETRY_PAUSE: std::time::Duration = std::time::Duration::from_millis(1
 
 /// After a store error while a request waits on another: pauses, and says
 /// to claim again, while `wait_until` leaves time; `false` when it has
-/// passed, and the wait ends. The claim made again must be another
-/// owner's: the failed claim may yet land, and the release that follows
-/// it, owner-checked, would take a claim of the same owner's that won.
+/// passed, and the wait ends.
 async fn pause_before_claiming_again(wait_until: Instant) -> bool {
     let left = wait_until.saturating_duration_since(Instant::now());
     if left.is_zero() {
@@ -348,13 +346,13 @@ impl Gateway {
         // checked here, by the same rules: one host, `host[:port]`. It
         // picks the route and travels on as X-Forwarded-Host.
         if request.version() == http::Version::HTTP_2 || uri.authority().is_some() {
-            let mut hosts = request.headers().get_all(HOST).iter();
-            match (hosts.next(), hosts.next()) {
-                (_, Some(_)) => return Routed::Refused("a request has one host header, not more"),
-                (Some(host), None) if !crate::wire::valid_host(host.as_bytes()) => {
-                    return Routed::Refused("the host header is not a host");
-                }
-                _ => {}
+            let headers = request.headers();
+            let lines = headers.get_all(HOST).iter().count();
+            let bad = headers
+                .get(HOST)
+                .is_some_and(|host| !crate::wire::valid_host(host.as_bytes()));
+            if let Some(why) = crate::wire::host_refusal(lines, bad) {
+                return Routed::Refused(why);
             }
         }
         // The target's own host when it has one (absolute-form, HTTP/2's
@@ -537,15 +535,15 @@ impl Gateway {
         drop(json);
 
         // 5. Claim.
-        let mut owner = Owner::new();
         let refresh = policy.refresh_ttl_on_replay.then_some(policy.ttl);
         // Set when the key is first found in flight.
         let mut wait_until = None;
+        // Armed, and given its owner, by each claim below.
         let mut unsettled = Unsettled {
             store: &self.context.store,
             key: record_key,
-            owner,
-            armed: true,
+            owner: Owner(0),
+            armed: false,
         };
         // When the claim was sent: the lease's start, as the store may have
         // taken it at any moment after, however late its answer comes. And
@@ -553,7 +551,11 @@ impl Gateway {
         // a slow store does not eat into it (`connect_timeout`, capped at
         // half of it, must end first: a request that never left is
         // released, and never taken for one the upstream may have seen).
-        let (claimed_at, answered_at) = loop {
+        let (owner, claimed_at, answered_at) = loop {
+            // Each claim an owner of its own: one that failed may yet
+            // land, and the release that follows it, owner-checked, must
+            // not take a later claim that won.
+            let owner = Owner::new();
             unsettled.armed = true;
             unsettled.owner = owner;
             let started = Instant::now();
@@ -568,7 +570,7 @@ impl Gateway {
             // store handle has released whatever a failed call may have taken.
             unsettled.armed = false;
             let problem = match claim {
-                Ok(Claim::Claimed) => break (started, answered),
+                Ok(Claim::Claimed) => break (owner, started, answered),
                 Ok(Claim::InFlight { fingerprint: f, .. } | Claim::Completed { fingerprint: f, .. })
                     if f != fingerprint =>
                 {
@@ -598,7 +600,6 @@ impl Gateway {
                             Err(error) => {
                                 telemetry::warn_throttled!(error, "waiting on the store failed", route = %live.route.name);
                                 if pause_before_claiming_again(wait_until).await {
-                                    owner = Owner::new();
                                     continue;
                                 }
                                 // The store said another request holds the key:
@@ -622,10 +623,7 @@ impl Gateway {
                     telemetry::warn_throttled!(error, "store claim failed", route = %live.route.name);
                     match wait_until {
                         // Claiming again after a wait, with time left.
-                        Some(wait_until) if pause_before_claiming_again(wait_until).await => {
-                            owner = Owner::new();
-                            continue;
-                        }
+                        Some(wait_until) if pause_before_claiming_again(wait_until).await => continue,
                         // The store had said another request holds the
                         // key, so, as when the wait itself fails, do not
                         // forward even with on_error = "pass".

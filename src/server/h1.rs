@@ -904,12 +904,8 @@ fn framing(headers: &HeaderMap, noted: &wire::Noted, version: Version) -> Result
     if noted.hosts == 0 && version == Version::HTTP_11 {
         return Err(Refusal::BadRequest("an HTTP/1.1 request needs a host header"));
     }
-    if noted.hosts > 1 {
-        return Err(Refusal::BadRequest("a request has one host header, not more"));
-    }
-    // It picks the route (by host) and travels on as X-Forwarded-Host.
-    if noted.bad_host {
-        return Err(Refusal::BadRequest("the host header is not a host"));
+    if let Some(why) = wire::host_refusal(noted.hosts, noted.bad_host) {
+        return Err(Refusal::BadRequest(why));
     }
     let expect_continue = version == Version::HTTP_11
         && noted.expect

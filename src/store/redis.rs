@@ -412,7 +412,7 @@ enum Connection {
         client: Box<redis::cluster::ClusterClient>,
         connections: PerThread<Arc<ClusterSlot>>,
         /// How to reach a node a redirect names (see [`follow`]).
-        redirects: Arc<RedirectTo>,
+        redirect_to: Arc<RedirectTo>,
     },
 }
 
@@ -803,8 +803,8 @@ impl RedisStore {
         let client = redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
             .connection_timeout(timeout)
             .response_timeout(timeout)
-            // Retried by `Conn::query` instead, which follows an ASK
-            // redirect itself (see `follow`).
+            // Retried by `Conn::query` instead, which follows redirects
+            // itself (see `follow`).
             .retries(0)
             .tcp_settings(tcp_settings())
             .build()
@@ -818,7 +818,7 @@ impl RedisStore {
         let first = nodes
             .first()
             .ok_or_else(|| StoreError::NotSent("no Redis Cluster URL".into()))?;
-        let redirects = Arc::new(RedirectTo {
+        let redirect_to = Arc::new(RedirectTo {
             info: first.get_connection_info().clone(),
             config: redis::AsyncConnectionConfig::new()
                 .set_connection_timeout(Some(timeout))
@@ -827,7 +827,7 @@ impl RedisStore {
         let connection = Connection::Cluster {
             client: Box::new(client),
             connections: PerThread::new(),
-            redirects,
+            redirect_to,
         };
         Ok(RedisStore::new(connection, KeyPrefix::new(prefix), nodes))
     }
@@ -869,10 +869,10 @@ impl RedisStore {
             Connection::Cluster {
                 client,
                 connections,
-                redirects,
+                redirect_to,
             } => {
                 let slot = connections
-                    .get_or(|| Ok(Arc::new(ClusterSlot::new(redirects.clone()))))
+                    .get_or(|| Ok(Arc::new(ClusterSlot::new(redirect_to.clone()))))
                     .map_err(unavailable)?;
                 let connection = slot.connection.get_or_try_init(|| slot.connect(client)).await?;
                 Ok(Conn::Cluster(connection.clone(), slot))
