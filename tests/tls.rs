@@ -76,6 +76,19 @@ impl Pki {
     }
 }
 
+/// A proxy serving TLS with `pki`'s certificate, an `orders` route at
+/// `/v1/orders` in front of `upstream`.
+async fn orders_over_tls(pki: &Pki, upstream: &Upstream) -> Proxy {
+    Proxy::start(
+        &upstream.url(),
+        &format!(
+            "[server]\n{}[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n",
+            pki.listener_toml()
+        ),
+    )
+    .await
+}
+
 fn toml_path(p: &Path) -> String {
     p.display().to_string()
 }
@@ -91,14 +104,7 @@ fn client_config(ca: &Path, alpn: &[&[u8]]) -> rustls::ClientConfig {
 async fn the_listener_serves_http1_and_http2_by_alpn_to_a_verifying_client() {
     let pki = Pki::new();
     let upstream = Upstream::created().await;
-    let proxy = Proxy::start(
-        &upstream.url(),
-        &format!(
-            "[server]\n{}[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n",
-            pki.listener_toml()
-        ),
-    )
-    .await;
+    let proxy = orders_over_tls(&pki, &upstream).await;
 
     // HTTP/1.1 through a client that verifies the test CA.
     let https = hyper_rustls::HttpsConnectorBuilder::new()
@@ -190,6 +196,37 @@ async fn an_unfinished_tls_handshake_does_not_hold_the_drain() {
         .await
         .expect("the drain waited on a handshake");
     drop((silent, partial));
+}
+
+/// Plain HTTP sent to the TLS listener (`http://` for `https://`) gets a
+/// readable 400 saying so, as nginx answers, not a TLS alert; the upstream
+/// sees nothing.
+#[tokio::test]
+async fn plain_http_sent_to_the_tls_listener_gets_a_readable_400() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let pki = Pki::new();
+    let upstream = Upstream::created().await;
+    let proxy = orders_over_tls(&pki, &upstream).await;
+    let mut plain = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    plain
+        .write_all(b"POST /v1/orders HTTP/1.1\r\nhost: localhost\r\nidempotency-key: k\r\ncontent-length: 2\r\n\r\n{}")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(std::time::Duration::from_secs(5), plain.read_to_end(&mut answer))
+        .await
+        .expect("the connection was not closed after the answer")
+        .unwrap();
+    let answer = String::from_utf8(answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+    assert!(answer.contains("application/problem+json"), "{answer}");
+    assert!(
+        answer.contains("plain HTTP was sent to a port that speaks HTTPS"),
+        "{answer}"
+    );
+    assert_eq!(upstream.hits(), 0);
+    // TLS clients on the same port are served as before.
+    drop(pki.connect_h2(proxy.addr).await);
 }
 
 #[tokio::test]

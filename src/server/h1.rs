@@ -79,16 +79,7 @@ pub async fn serve<S>(
 where
     S: AsyncRead + AsyncWrite + Reset + Unpin + Send,
 {
-    let mut conn = Connection {
-        io,
-        rbuf: BytesMut::new(),
-        wbuf: Vec::new(),
-        sent: 0,
-        timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
-        timeout: header_read_timeout,
-        shutdown: Box::pin(shutdown.clone().cancelled_owned()),
-        delimited_by_close: false,
-    };
+    let mut conn = Connection::new(io, header_read_timeout, &shutdown);
     let mut first = true;
     loop {
         let head = match conn.read_head(first).await {
@@ -156,6 +147,21 @@ where
             return Ended::Closed;
         }
     }
+}
+
+/// Answers plain HTTP sent to a TLS listener (a client that wrote
+/// `http://` for `https://`) with a readable 400, as nginx does, rather
+/// than a TLS alert it cannot show; then closes the connection.
+pub async fn refuse_plain_http<S>(io: S, timeout: Duration, shutdown: &CancellationToken)
+where
+    S: AsyncRead + AsyncWrite + Reset + Unpin + Send,
+{
+    let mut conn = Connection::new(io, timeout, shutdown);
+    let _ = conn
+        .refuse(Refusal::BadRequest(
+            "plain HTTP was sent to a port that speaks HTTPS; use an https:// URL",
+        ))
+        .await;
 }
 
 /// A request as parsed from its head, before its body is known.
@@ -304,6 +310,19 @@ enum Wait {
 }
 
 impl<S: AsyncRead + AsyncWrite + Reset + Unpin> Connection<S> {
+    fn new(io: S, timeout: Duration, shutdown: &CancellationToken) -> Connection<S> {
+        Connection {
+            io,
+            rbuf: BytesMut::new(),
+            wbuf: Vec::new(),
+            sent: 0,
+            timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
+            timeout,
+            shutdown: Box::pin(shutdown.clone().cancelled_owned()),
+            delimited_by_close: false,
+        }
+    }
+
     /// Room for a read, topped up only when little is left, so small
     /// requests share one allocation.
     fn make_room(&mut self) {

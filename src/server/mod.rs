@@ -452,10 +452,20 @@ impl Server {
                     // silent one holds no drain for `header_read_timeout`.
                     let acceptor = acceptor.clone();
                     connections.spawn(async move {
-                        let handshake = tokio::time::timeout(header_read_timeout, acceptor.accept(stream));
+                        let opening = async move {
+                            if opens_with_plain_http(&stream).await {
+                                return Ok(Err(stream));
+                            }
+                            acceptor.accept(stream).await.map(Ok)
+                        };
+                        let handshake = tokio::time::timeout(header_read_timeout, opening);
                         let stream = tokio::select! {
                             handshake = handshake => match handshake {
-                                Ok(Ok(stream)) => stream,
+                                Ok(Ok(Ok(stream))) => stream,
+                                Ok(Ok(Err(plain))) => {
+                                    tracing::debug!("plain HTTP on the TLS listener: refused");
+                                    return h1::refuse_plain_http(plain, header_read_timeout, &stopping).await;
+                                }
                                 Ok(Err(error)) => return tracing::debug!(%error, "TLS handshake failed"),
                                 Err(_) => return tracing::debug!("TLS handshake timed out"),
                             },
@@ -512,6 +522,14 @@ impl Server {
 
 /// Serves a connection as HTTP/1.1, or as HTTP/2 if it opens with the
 /// HTTP/2 preface.
+/// Whether a connection to the TLS listener opened with plain HTTP: its
+/// first byte a letter (a method, or HTTP/2's `PRI` preface), where a TLS
+/// client's opens a handshake record (22).
+async fn opens_with_plain_http(stream: &tokio::net::TcpStream) -> bool {
+    let mut first = [0u8; 1];
+    matches!(stream.peek(&mut first).await, Ok(1)) && first[0].is_ascii_uppercase()
+}
+
 async fn serve_connection<S>(
     stream: S,
     gateway: Arc<ArcSwap<Gateway>>,
