@@ -278,7 +278,8 @@ async fn an_http2_request_is_scoped_by_its_authority_and_joined_cookies() {
 /// An HTTP/2 request's host is checked as an HTTP/1.1 request's is: one
 /// `host` field, `host[:port]`, or 400 before it picks a route or reaches
 /// the backend as X-Forwarded-Host. So is an `:authority`, which wins
-/// over `host`.
+/// over `host`; a `host` naming another host than it is refused (RFC 9113
+/// §8.3.1), one naming the same in another spelling is not.
 #[tokio::test]
 async fn an_http2_requests_host_is_checked_as_an_http1_requests() {
     let upstream = Upstream::created().await;
@@ -294,6 +295,17 @@ async fn an_http2_requests_host_is_checked_as_an_http1_requests() {
         ("/pass", &["a b"], "not a host"),
         ("/pass", &["a.example, b.example"], "not a host"),
         ("http://a.example:abc/pass", &[], "not a host"),
+        ("http://a.example/pass", &["b.example"], "another host than :authority"),
+        (
+            "http://a.example/pass",
+            &["a.example:8080"],
+            "another host than :authority",
+        ),
+        (
+            "http://a.example:8080/pass",
+            &["a.example"],
+            "another host than :authority",
+        ),
     ] {
         let (status, body) = send(target, hosts).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{target} {hosts:?}: {body}");
@@ -304,11 +316,13 @@ async fn an_http2_requests_host_is_checked_as_an_http1_requests() {
         ("/pass", &["a.example:8080"][..]),
         ("/pass", &[]),
         ("http://a.example:/pass", &[]),
+        ("http://a.example/pass", &["A.Example."]),
+        ("http://a.example:80/pass", &["a.example"]),
     ] {
         let (status, body) = send(target, hosts).await;
         assert_eq!(status, StatusCode::CREATED, "{target} {hosts:?}: {body}");
     }
-    assert_eq!(upstream.hits(), 3);
+    assert_eq!(upstream.hits(), 5);
 }
 
 /// A host named in `scope` is the same host however it is spelled (case, a

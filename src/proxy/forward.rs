@@ -95,6 +95,32 @@ pub fn host_from_target(uri: &Uri, headers: &mut HeaderMap) {
     }
 }
 
+/// Whether an HTTP/2 request's `Host` field names another host than its
+/// `:authority`: RFC 9113 §8.3.1 has a server treat it as malformed, as
+/// the two may pick different routes in different hops. The same host is
+/// the same name or address, in any case and with or without a fully
+/// qualified name's trailing dot, on the same port, an absent one being
+/// the scheme's.
+pub fn host_contradicts_authority(uri: &Uri, headers: &HeaderMap) -> bool {
+    let Some(authority) = uri.authority() else {
+        return false;
+    };
+    let default = if uri.scheme() == Some(&http::uri::Scheme::HTTPS) {
+        443
+    } else {
+        80
+    };
+    let endpoint =
+        |host: &str, port: Option<u16>| (host.trim_end_matches('.').to_ascii_lowercase(), port.unwrap_or(default));
+    let named = endpoint(authority.host(), authority.port_u16());
+    headers.get_all(header::HOST).iter().any(|host| {
+        match host.to_str().ok().and_then(|h| h.parse::<http::uri::Authority>().ok()) {
+            Some(host) if !host.as_str().contains('@') => endpoint(host.host(), host.port_u16()) != named,
+            _ => true,
+        }
+    })
+}
+
 /// The target's own `host[:port]` as a `Host` value, when it names one:
 /// never a user or password the target named.
 fn authority_host(uri: &Uri) -> Option<HeaderValue> {

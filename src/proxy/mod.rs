@@ -287,12 +287,22 @@ impl Gateway {
         mut request: Request<ClientBody>,
         peer: Peer,
     ) -> impl Future<Output = Response<ResponseBody>> + '_ {
+        let mut contradicted = false;
         if request.uri().authority().is_some() {
+            // An absolute-form target's host wins over `Host` (RFC 9112
+            // §3.2.2); HTTP/2's `:authority` and a `Host` must agree.
+            contradicted = request.version() == http::Version::HTTP_2
+                && forward::host_contradicts_authority(request.uri(), request.headers());
             let (uri, headers) = (request.uri().clone(), request.headers_mut());
             forward::host_from_target(&uri, headers);
         }
         let span = tracing::debug_span!("request", route = Empty, outcome = Empty, key = Empty);
-        let answer = match self.route_for(&request) {
+        let routed = if contradicted {
+            Routed::Refused("the host header names another host than :authority (RFC 9113 §8.3.1)")
+        } else {
+            self.route_for(&request)
+        };
+        let answer = match routed {
             Routed::Idempotent(live, params) => Either::Left(self.idempotent(live, params, request, peer)),
             Routed::PassThrough(upstream) => {
                 self.passthrough.count(Outcome::Passthrough);
