@@ -119,15 +119,41 @@ pub(crate) use warn_throttled;
 /// says what failed, a line a second, itself.
 pub const DEFAULT_FILTER: &str = "info,redis=error";
 
-/// Installs the global subscriber: `RUST_LOG` filters (default
-/// [`DEFAULT_FILTER`]),
+/// Libraries whose DEBUG and TRACE lines quote what a client sent (the
+/// `h2` crate quotes a malformed path, authority or header value, which
+/// may hold a key or a token): held at INFO whatever `RUST_LOG` says,
+/// unless it names them itself.
+const QUOTING: [&str; 2] = ["h2", "hyper"];
+
+/// The log filter of `RUST_LOG`'s value, `spec` ([`DEFAULT_FILTER`]
+/// without one, or when it does not parse), with the [`QUOTING`]
+/// libraries held at INFO unless `spec` names them.
+fn filter(spec: Option<&str>) -> tracing_subscriber::EnvFilter {
+    use tracing_subscriber::EnvFilter;
+    let (mut filter, spec) = match spec.map(|s| (EnvFilter::try_new(s), s)) {
+        Some((Ok(filter), spec)) => (filter, spec),
+        _ => (EnvFilter::new(DEFAULT_FILTER), DEFAULT_FILTER),
+    };
+    for library in QUOTING {
+        let named = spec.split(',').any(|directive| {
+            let target = directive.trim().split(['=', '[']).next().unwrap_or_default();
+            target == library || target.starts_with(&format!("{library}::"))
+        });
+        if !named {
+            filter = filter.add_directive(format!("{library}=info").parse().expect("a directive"));
+        }
+    }
+    filter
+}
+
+/// Installs the global subscriber: `RUST_LOG` filters (see [`filter`];
+/// default [`DEFAULT_FILTER`]),
 /// `IDEMGATE_LOG_FORMAT=json` selects JSON lines instead of text. Text is
 /// coloured only on a terminal (and without `NO_COLOR`): a service
 /// manager, a container runtime or a file gets plain lines.
 pub fn init() {
     use std::io::IsTerminal;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_FILTER));
+    let filter = filter(std::env::var("RUST_LOG").ok().as_deref());
     let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -191,6 +217,31 @@ mod tests {
             assert!(!tracing::enabled!(target: REDIS, tracing::Level::WARN));
             assert!(tracing::enabled!(target: REDIS, tracing::Level::ERROR));
         });
+    }
+
+    /// At DEBUG or TRACE, the HTTP libraries, which quote what clients
+    /// send, stay at INFO, unless `RUST_LOG` names them.
+    #[test]
+    fn libraries_that_quote_requests_stay_at_info_unless_named() {
+        macro_rules! enabled {
+            ($spec:expr, $target:literal, $level:expr) => {{
+                let subscriber = tracing_subscriber::fmt().with_env_filter(filter(Some($spec))).finish();
+                tracing::subscriber::with_default(subscriber, || tracing::enabled!(target: $target, $level))
+            }};
+        }
+        use tracing::Level;
+        for spec in ["trace", "debug", "idemgate=trace,debug"] {
+            assert!(enabled!(spec, "idemgate::proxy", Level::DEBUG), "{spec}");
+            assert!(!enabled!(spec, "h2::server", Level::DEBUG), "{spec}");
+            assert!(!enabled!(spec, "hyper::proto::h1::role", Level::DEBUG), "{spec}");
+            assert!(enabled!(spec, "h2::server", Level::INFO), "{spec}");
+        }
+        assert!(enabled!("trace,h2=trace", "h2::server", Level::TRACE));
+        assert!(enabled!("debug,h2::server=debug", "h2::server", Level::DEBUG));
+        assert!(!enabled!("debug,h2x=debug", "h2::server", Level::DEBUG));
+        // A value that does not parse is the default's.
+        assert!(!enabled!("=[", "idemgate::proxy", Level::DEBUG));
+        assert!(enabled!("=[", "idemgate::proxy", Level::INFO));
     }
 
     #[test]
