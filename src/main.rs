@@ -124,12 +124,14 @@ fn admin(path: &Path, method: http::Method, path_and_query: &str) -> anyhow::Res
     // One that accepts and never answers (a wedged or stopped process, whose
     // kernel still completes the handshake) fails the call, not hangs it.
     let bound = config.server.header_read_timeout + config.store.timeout;
+    http::Uri::try_from(format!("http://{addr}{path_and_query}"))
+        .context("the key and scope values are too long for a request (no record has them)")?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let call = idemgate::server::admin::call(addr, method, path_and_query, token.as_deref());
     let (status, body) = runtime
         .block_on(async { tokio::time::timeout(bound, call).await })
         .map_err(|_| anyhow::anyhow!("no answer within {}", humantime::format_duration(bound)))
-        .and_then(|answer| Ok(answer?))
+        .and_then(|answer| answer.map_err(|error| anyhow::anyhow!(error)))
         .with_context(|| format!("cannot reach the admin listener at {addr}"))?;
     // Not print!, which panics when the reader has gone.
     let _ = std::io::Write::write_all(&mut std::io::stdout(), body.as_bytes());

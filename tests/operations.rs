@@ -666,6 +666,15 @@ async fn the_record_and_health_subcommands_talk_to_the_running_proxy() {
     assert!(scoped.status.success(), "{}", String::from_utf8_lossy(&scoped.stdout));
     let unnamed = by_name("x-tenant");
     assert!(String::from_utf8_lossy(&unnamed.stderr).contains("NAME=VALUE"));
+    // A key too long for any request target: an error, not a panic.
+    let long = "k".repeat(70_000);
+    let refused = run(&["record", "--route", "orders", "--key", &long]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("too long"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
 }
 
 /// Scope headers named in the lookup: each line of each, in order, and a
@@ -722,6 +731,12 @@ async fn records_are_found_by_scope_headers_named_line_by_line() {
     for (query, says) in [
         ("key=k1&scope=x&scope.x-tenant=t1", "not both"),
         ("key=k1&scope.x-other=1", "no scope header x-other"),
+        // Keys no request's can be, and more values than scope headers:
+        // no record has them.
+        ("key=a%20b&scope.x-tenant=t1", "visible ASCII"),
+        ("key=%22k1&scope.x-tenant=t1", "visible ASCII"),
+        (&format!("key={}", "k".repeat(256)), "longer than the route takes"),
+        ("key=k1&scope=a&scope=t1&scope=x", "at most that many"),
     ] {
         let refused = look(query).await;
         assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{query}");

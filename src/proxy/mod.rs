@@ -128,6 +128,12 @@ pub enum RecordKeyError {
     NotInScope(String),
     /// `key=` (or `key=""`): no request's key is empty.
     EmptyKey,
+    /// A key no request's can be (not visible ASCII, or longer than the
+    /// route takes): why.
+    InvalidKey(&'static str),
+    /// More values by position than the route has scope headers: how many
+    /// it has.
+    TooManyScopeValues(usize),
 }
 
 /// Where a request goes: through a route's idempotency, or straight on.
@@ -242,12 +248,22 @@ impl Gateway {
             .find(|live| live.route.name == route)
             .ok_or(RecordKeyError::NoRoute)?;
         let headers = &live.route.policy.scope;
-        // Read as the key header is: `"k1"` is the key k1.
-        let key = key::parse(key.as_bytes()).unwrap_or_else(|| key.to_owned());
+        // Read as the key header is: `"k1"` is the key k1. A key the
+        // proxy refuses, or one longer than it takes (a derived key is 64
+        // hex digits, whatever `max_length`), names no record.
+        let key = key::parse(key.as_bytes()).ok_or(RecordKeyError::InvalidKey(
+            "a key is a token or a quoted string of visible ASCII",
+        ))?;
         if key.is_empty() {
             return Err(RecordKeyError::EmptyKey);
         }
+        if key.len() > live.route.policy.key.max_length.max(64) {
+            return Err(RecordKeyError::InvalidKey("the key is longer than the route takes"));
+        }
         Ok(match scope {
+            ScopeValues::Positional(values) if values.len() > headers.len() => {
+                return Err(RecordKeyError::TooManyScopeValues(headers.len()));
+            }
             ScopeValues::Positional(values) => {
                 let values = headers.iter().enumerate().map(|(i, header)| {
                     let value = values.get(i).map(|value| key::identity(header, value));

@@ -283,6 +283,13 @@ async fn records(request: &Request<Incoming>, gateway: &Gateway) -> Response<Res
                 "key= is empty, and no request's key is",
             );
         }
+        Err(RecordKeyError::InvalidKey(why)) => {
+            return problem(StatusCode::BAD_REQUEST, "bad-request", &format!("key=: {why}"));
+        }
+        Err(RecordKeyError::TooManyScopeValues(headers)) => {
+            let detail = format!("route {route} has {headers} scope header(s): give at most that many scope=");
+            return problem(StatusCode::BAD_REQUEST, "bad-request", &detail);
+        }
         Err(RecordKeyError::NotInScope(header)) => {
             return problem(
                 StatusCode::BAD_REQUEST,
@@ -369,7 +376,7 @@ pub async fn call(
     method: Method,
     path_and_query: &str,
     token: Option<&str>,
-) -> Result<(StatusCode, String), hyper_util::client::legacy::Error> {
+) -> Result<(StatusCode, String), crate::proxy::BoxError> {
     use http_body_util::BodyExt;
     let client: hyper_util::client::legacy::Client<_, http_body_util::Empty<Bytes>> =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
@@ -379,9 +386,9 @@ pub async fn call(
     if let Some(token) = token {
         request = request.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
     }
-    let response = client
-        .request(request.body(http_body_util::Empty::new()).expect("a valid request"))
-        .await?;
+    // A target too long for a URI (a key or scope far over any limit).
+    let request = request.body(http_body_util::Empty::new())?;
+    let response = client.request(request).await?;
     let status = response.status();
     let body = response
         .into_body()
