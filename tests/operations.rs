@@ -797,6 +797,8 @@ async fn metrics_count_every_outcome_by_route() {
             Reply::Reset {
                 delay: Duration::from_millis(10),
             }
+        } else if seen.uri.contains("broken") {
+            Reply::BreakOff(StatusCode::CREATED)
         } else if seen.uri.contains("big") {
             Reply::status(201, &"b".repeat(4096))
         } else {
@@ -830,6 +832,14 @@ on_upstream_failure = "unknown"
     client.send("POST", &url("?big"), &key("c"), "").await; // not_replayable
     client.send("POST", &url("?fail"), &key("d"), "").await; // upstream_error
     client.send("POST", &url("?fail"), &key("d"), "").await; // outcome_unknown
+    // A head, then a body that breaks off: a failure, not a forward.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let head = "POST /v1/orders?broken HTTP/1.1\r\nhost: x\r\nidempotency-key: f\r\ncontent-length: 0\r\n\r\n";
+        stream.write_all(head.as_bytes()).await.unwrap();
+        let _ = stream.read_to_end(&mut Vec::new()).await; // upstream_error
+    }
     client.send("GET", &url(""), &[], "").await; // passthrough (the route's path, another method)
     let slow = tokio::spawn({
         let (client, url) = (client.clone(), url("?slow"));
@@ -844,7 +854,7 @@ on_upstream_failure = "unknown"
         .text();
     for (route, outcome, n) in [
         ("orders", "forwarded", 3),
-        ("orders", "upstream_error", 1),
+        ("orders", "upstream_error", 2),
         ("orders", "replayed", 1),
         ("orders", "mismatch", 1),
         ("orders", "key_missing", 1),

@@ -572,10 +572,8 @@ impl Exchange {
             .await;
         context.metrics.upstream_latency.observe(started.elapsed());
         let response = match sent {
-            Some(Ok(response)) => {
-                counters.count(TelemetryOutcome::Forwarded);
-                response
-            }
+            // Counted once its body has come whole, or broken off.
+            Some(Ok(response)) => response,
             Some(Err(error)) if error.is_connect() => {
                 counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(route = %live.route.name, key = %key.tag(), error = %error_chain(&error), "upstream unreachable");
@@ -664,6 +662,7 @@ impl Exchange {
                     whole = body.is_end_stream();
                 }
                 Some(Some(Err(error))) => {
+                    counters.count(TelemetryOutcome::UpstreamError);
                     tracing::warn!(route = %live.route.name, key = %key.tag(), %error, "upstream body broke off");
                     let problem = fail(guard, policy, Failure::Broken, Some(keep)).await;
                     let _ = reply.send(problem.response());
@@ -672,6 +671,7 @@ impl Exchange {
             }
         }
         if whole {
+            counters.count(TelemetryOutcome::Forwarded);
             let outcome = keep.then(|| {
                 let headers: SmallVec<[_; 16]> = kept_headers(&head.headers, policy).collect();
                 kept(early_len > limit, status, &headers, &early)
@@ -714,12 +714,14 @@ impl Exchange {
                     Ok(None) => break,
                     Ok(Some(Ok(frame))) => frame,
                     Ok(Some(Err(error))) => {
+                        counters.count(TelemetryOutcome::UpstreamError);
                         tracing::warn!(route = %live.route.name, key = %key.tag(), %error, "upstream body broke off");
                         fail(guard, policy, Failure::Broken, Some(keep)).await;
                         abort(relay.client, "the upstream response broke off");
                         return;
                     }
                     Err(_) => {
+                        counters.count(TelemetryOutcome::UpstreamError);
                         tracing::warn!(route = %live.route.name, key = %key.tag(), "upstream body timed out");
                         fail(guard, policy, Failure::Timeout, Some(keep)).await;
                         abort(relay.client, "the upstream response timed out");
@@ -731,6 +733,7 @@ impl Exchange {
                 }
             }
         }
+        counters.count(TelemetryOutcome::Forwarded);
         let Relay {
             client, held, recorder, ..
         } = relay;
