@@ -32,7 +32,7 @@ use super::upstream::{Code, HeadBegun, OnStale, UpstreamError};
 use super::{Context, LiveRoute};
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
 use crate::store::{Fingerprint, Outcome, Owner, Record, RecordKey, StoreHandle, StoredResponse};
-use crate::telemetry::{self, Outcome as TelemetryOutcome, error_chain};
+use crate::telemetry::{self, Outcome as TelemetryOutcome, RouteCounters, error_chain};
 use tracing::Instrument;
 
 /// Frames buffered between the exchange task and the client connection.
@@ -572,8 +572,12 @@ impl Exchange {
             .await;
         context.metrics.upstream_latency.observe(started.elapsed());
         let response = match sent {
-            // Counted once its body has come whole, or broken off.
-            Some(Ok(response)) => response,
+            // Counted once its body has come whole, or broken off; the
+            // request's log line, written as the head goes, says forwarded.
+            Some(Ok(response)) => {
+                RouteCounters::note(TelemetryOutcome::Forwarded);
+                response
+            }
             Some(Err(error)) if error.is_connect() => {
                 counters.count(TelemetryOutcome::UpstreamError);
                 tracing::warn!(route = %live.route.name, key = %key.tag(), error = %error_chain(&error), "upstream unreachable");

@@ -102,7 +102,7 @@ pub fn host_from_target(uri: &Uri, headers: &mut HeaderMap) {
 /// qualified name's trailing dot, on the same port, an absent one being
 /// the scheme's.
 pub fn host_contradicts_authority(uri: &Uri, headers: &HeaderMap) -> bool {
-    let Some(authority) = uri.authority() else {
+    let (Some(authority), true) = (uri.authority(), headers.contains_key(header::HOST)) else {
         return false;
     };
     let default = if uri.scheme() == Some(&http::uri::Scheme::HTTPS) {

@@ -128,8 +128,7 @@ pub enum RecordKeyError {
     NotInScope(String),
     /// `key=` (or `key=""`): no request's key is empty.
     EmptyKey,
-    /// A key no request's can be (not visible ASCII, or longer than the
-    /// route takes): why.
+    /// A key no request's can be (not visible ASCII): why.
     InvalidKey(&'static str),
     /// More values by position than the route has scope headers: how many
     /// it has.
@@ -249,16 +248,13 @@ impl Gateway {
             .ok_or(RecordKeyError::NoRoute)?;
         let headers = &live.route.policy.scope;
         // Read as the key header is: `"k1"` is the key k1. A key the
-        // proxy refuses, or one longer than it takes (a derived key is 64
-        // hex digits, whatever `max_length`), names no record.
+        // proxy refuses names no record. (Not its length: a record made
+        // before a reload lowered `max_length` may still be looked up.)
         let key = key::parse(key.as_bytes()).ok_or(RecordKeyError::InvalidKey(
             "a key is a token or a quoted string of visible ASCII",
         ))?;
         if key.is_empty() {
             return Err(RecordKeyError::EmptyKey);
-        }
-        if key.len() > live.route.policy.key.max_length.max(64) {
-            return Err(RecordKeyError::InvalidKey("the key is longer than the route takes"));
         }
         Ok(match scope {
             ScopeValues::Positional(values) if values.len() > headers.len() => {

@@ -520,8 +520,6 @@ impl Server {
     }
 }
 
-/// Serves a connection as HTTP/1.1, or as HTTP/2 if it opens with the
-/// HTTP/2 preface.
 /// Whether a connection to the TLS listener opened with plain HTTP: its
 /// first byte a letter (a method, or HTTP/2's `PRI` preface), where a TLS
 /// client's opens a handshake record (22).
@@ -530,6 +528,8 @@ async fn opens_with_plain_http(stream: &tokio::net::TcpStream) -> bool {
     matches!(stream.peek(&mut first).await, Ok(1)) && first[0].is_ascii_uppercase()
 }
 
+/// Serves a connection as HTTP/1.1, or as HTTP/2 if it opens with the
+/// HTTP/2 preface.
 async fn serve_connection<S>(
     stream: S,
     gateway: Arc<ArcSwap<Gateway>>,

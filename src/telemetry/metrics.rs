@@ -160,6 +160,13 @@ impl RouteCounters {
     /// Counts `outcome`, and records it on the current request span.
     pub fn count(&self, outcome: Outcome) {
         self.counts.local()[outcome as usize].fetch_add(1, Ordering::Relaxed);
+        Self::note(outcome);
+    }
+
+    /// Records `outcome` on the current request span without counting it:
+    /// what the client is being answered before the exchange has ended (a
+    /// streamed answer's head), which a later count may overwrite.
+    pub fn note(outcome: Outcome) {
         if let Some(span) = super::request_span() {
             span.record("outcome", outcome.name());
         }

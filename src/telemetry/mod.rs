@@ -121,25 +121,30 @@ pub const DEFAULT_FILTER: &str = "info,redis=error";
 
 /// Libraries whose DEBUG and TRACE lines quote what a client sent (the
 /// `h2` crate quotes a malformed path, authority or header value, which
-/// may hold a key or a token): held at INFO whatever `RUST_LOG` says,
-/// unless it names them itself.
-const QUOTING: [&str; 2] = ["h2", "hyper"];
+/// may hold a key or a token): held at INFO at most, whatever `RUST_LOG`
+/// says, unless it names them itself.
+const QUOTING: [&str; 1] = ["h2"];
 
 /// The log filter of `RUST_LOG`'s value, `spec` ([`DEFAULT_FILTER`]
 /// without one, or when it does not parse), with the [`QUOTING`]
-/// libraries held at INFO unless `spec` names them.
+/// libraries held at INFO at most: where `spec`'s level for all targets
+/// is DEBUG or TRACE, they get a directive of their own, `h2=info`,
+/// unless `spec` gives them one (a directive for a module of theirs,
+/// `h2::codec=trace`, holds there, and the cap holds in the rest).
 fn filter(spec: Option<&str>) -> tracing_subscriber::EnvFilter {
     use tracing_subscriber::EnvFilter;
+    use tracing_subscriber::filter::LevelFilter;
     let (mut filter, spec) = match spec.map(|s| (EnvFilter::try_new(s), s)) {
         Some((Ok(filter), spec)) => (filter, spec),
         _ => (EnvFilter::new(DEFAULT_FILTER), DEFAULT_FILTER),
     };
+    let directives = || spec.split(',').map(str::trim);
+    let verbose = directives()
+        .filter_map(|directive| directive.parse::<LevelFilter>().ok())
+        .any(|level| level > LevelFilter::INFO);
     for library in QUOTING {
-        let named = spec.split(',').any(|directive| {
-            let target = directive.trim().split(['=', '[']).next().unwrap_or_default();
-            target == library || target.starts_with(&format!("{library}::"))
-        });
-        if !named {
+        let named = directives().any(|directive| directive.split(['=', '[']).next() == Some(library));
+        if verbose && !named {
             filter = filter.add_directive(format!("{library}=info").parse().expect("a directive"));
         }
     }
@@ -219,10 +224,11 @@ mod tests {
         });
     }
 
-    /// At DEBUG or TRACE, the HTTP libraries, which quote what clients
-    /// send, stay at INFO, unless `RUST_LOG` names them.
+    /// At DEBUG or TRACE, the HTTP/2 library, which quotes what clients
+    /// send, stays at INFO, unless `RUST_LOG` names it; at WARN or ERROR
+    /// it is not raised to INFO.
     #[test]
-    fn libraries_that_quote_requests_stay_at_info_unless_named() {
+    fn the_http2_library_stays_at_info_at_most_unless_named() {
         macro_rules! enabled {
             ($spec:expr, $target:literal, $level:expr) => {{
                 let subscriber = tracing_subscriber::fmt().with_env_filter(filter(Some($spec))).finish();
@@ -230,15 +236,21 @@ mod tests {
             }};
         }
         use tracing::Level;
-        for spec in ["trace", "debug", "idemgate=trace,debug"] {
+        for spec in ["trace", "debug", "idemgate=trace,debug", "DEBUG", "debug,h2x=debug"] {
             assert!(enabled!(spec, "idemgate::proxy", Level::DEBUG), "{spec}");
             assert!(!enabled!(spec, "h2::server", Level::DEBUG), "{spec}");
-            assert!(!enabled!(spec, "hyper::proto::h1::role", Level::DEBUG), "{spec}");
             assert!(enabled!(spec, "h2::server", Level::INFO), "{spec}");
+            // Other libraries as asked.
+            assert!(enabled!(spec, "hyper_util::client", Level::DEBUG), "{spec}");
+        }
+        for (spec, info, warn) in [("warn", false, true), ("error", false, false), ("off", false, false)] {
+            assert_eq!(enabled!(spec, "h2::server", Level::INFO), info, "{spec}");
+            assert_eq!(enabled!(spec, "h2::server", Level::WARN), warn, "{spec}");
         }
         assert!(enabled!("trace,h2=trace", "h2::server", Level::TRACE));
-        assert!(enabled!("debug,h2::server=debug", "h2::server", Level::DEBUG));
-        assert!(!enabled!("debug,h2x=debug", "h2::server", Level::DEBUG));
+        // A module named holds there; the rest of the library stays capped.
+        assert!(enabled!("debug,h2::codec=trace", "h2::codec", Level::TRACE));
+        assert!(!enabled!("debug,h2::codec=trace", "h2::server", Level::DEBUG));
         // A value that does not parse is the default's.
         assert!(!enabled!("=[", "idemgate::proxy", Level::DEBUG));
         assert!(enabled!("=[", "idemgate::proxy", Level::INFO));
