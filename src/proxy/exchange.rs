@@ -380,6 +380,11 @@ async fn retry_completion(
     }
 }
 
+/// How many more times [`lost`] asks a failing store, and how long it
+/// waits before each.
+const LOST_LOOKS: usize = 3;
+const LOST_LOOK_PAUSE: Duration = Duration::from_millis(100);
+
 /// Logs why a completion found another's claim or record, and returns
 /// whether the record holds this answer anyway. Usually the lease ran out
 /// and another request took the key; but a completion that reached the
@@ -388,10 +393,33 @@ async fn retry_completion(
 /// completed itself. A record keeps no owner, so a retry's identical
 /// answer looks the same: both cases stay warnings, each named for what
 /// the store holds.
+///
+/// A store that fails the look (the connection that lost the completion's
+/// answer may be failing still) is asked again a few times, and if it
+/// never answers that is what is said: not a lost lease it cannot tell.
 async fn lost(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, outcome: &Outcome) -> bool {
+    let mut found = store.inspect_sized(key, outcome.size()).await;
+    for _ in 0..LOST_LOOKS {
+        if found.is_ok() {
+            break;
+        }
+        tokio::time::sleep(LOST_LOOK_PAUSE).await;
+        found = store.inspect_sized(key, outcome.size()).await;
+    }
+    let found = match found {
+        Ok(found) => found,
+        Err(error) => {
+            tracing::warn!(
+                key = %key.tag(),
+                error = %error_chain(&error),
+                "the claim was gone, and the record could not be read to tell whether it holds this answer"
+            );
+            return false;
+        }
+    };
     let landed = matches!(
-        store.inspect_sized(key, outcome.size()).await,
-        Ok(Some((Record::Completed { fingerprint: found, outcome: kept }, _)))
+        found,
+        Some((Record::Completed { fingerprint: found, outcome: kept }, _))
             if found == *fingerprint && kept == *outcome
     );
     if landed {
@@ -879,7 +907,7 @@ fn released(code: Code, policy: &Policy) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::MemoryStore;
+    use crate::store::{Claim, MemoryStore, Store, StoreError};
 
     #[test]
     fn a_recorded_frame_keeps_no_part_of_the_read_buffer() {
@@ -1009,5 +1037,101 @@ mod tests {
             !lost(&store, &key, &Fingerprint([3; 32]), &answer("a")).await,
             "another request"
         );
+    }
+
+    /// The memory store, whose look at a record fails `failures` times
+    /// first, as a connection still failing after a cut-off completion
+    /// does.
+    struct FailingLooks {
+        store: MemoryStore,
+        failures: std::sync::atomic::AtomicUsize,
+    }
+
+    #[async_trait::async_trait]
+    impl Store for FailingLooks {
+        async fn claim(
+            &self,
+            key: &RecordKey,
+            fingerprint: &Fingerprint,
+            owner: Owner,
+            lease: Duration,
+            refresh_ttl: Option<Duration>,
+        ) -> Result<Claim, StoreError> {
+            self.store.claim(key, fingerprint, owner, lease, refresh_ttl).await
+        }
+        async fn complete(
+            &self,
+            key: &RecordKey,
+            fingerprint: &Fingerprint,
+            owner: Owner,
+            outcome: Outcome,
+            ttl: Duration,
+        ) -> Result<bool, StoreError> {
+            self.store.complete(key, fingerprint, owner, outcome, ttl).await
+        }
+        async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
+            self.store.release(key, owner).await
+        }
+        async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {
+            self.store.renew(key, owner, lease).await
+        }
+        async fn wait(&self, key: &RecordKey, timeout: Duration) -> Result<(), StoreError> {
+            self.store.wait(key, timeout).await
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            self.store.ping().await
+        }
+        async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
+            use std::sync::atomic::Ordering::Relaxed;
+            if self
+                .failures
+                .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                return Err(StoreError::Unavailable(
+                    std::io::Error::other("connection reset").into(),
+                ));
+            }
+            self.store.inspect(key).await
+        }
+        async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
+            self.store.purge(key).await
+        }
+    }
+
+    /// A completion that landed is told from a lost lease even when the
+    /// store fails the first looks at the record; one it never lets be
+    /// read is neither.
+    #[tokio::test]
+    async fn a_completion_that_landed_is_found_past_a_failing_look() {
+        let (key, fingerprint, owner) = (RecordKey([1; 32]), Fingerprint([2; 32]), Owner(7));
+        let answer = Outcome::Response(Arc::new(StoredResponse::new(
+            StatusCode::CREATED,
+            &[],
+            &[Bytes::from_static(b"a")],
+        )));
+        for (failures, found) in [(LOST_LOOKS, true), (LOST_LOOKS + 1, false)] {
+            let store = Arc::new(FailingLooks {
+                store: MemoryStore::new(1 << 20),
+                failures: failures.into(),
+            });
+            let handle = StoreHandle::new(store.clone(), Duration::from_secs(1));
+            handle
+                .claim(&key, &fingerprint, owner, Duration::from_secs(30), None)
+                .await
+                .unwrap();
+            let ttl = Duration::from_secs(60);
+            assert!(
+                handle
+                    .complete(&key, &fingerprint, owner, answer.clone(), ttl)
+                    .await
+                    .unwrap()
+            );
+            assert_eq!(
+                lost(&handle, &key, &fingerprint, &answer).await,
+                found,
+                "{failures} failures"
+            );
+        }
     }
 }
