@@ -61,6 +61,31 @@ async fn a_retry_replays_the_first_answer_without_calling_the_backend() {
     assert_eq!(upstream.hits(), 2);
 }
 
+/// A retry whose client escapes its target otherwise (hex in capitals, an
+/// unreserved character escaped) is the same request, replayed; the
+/// upstream saw the first target as it was sent.
+#[tokio::test]
+async fn a_retry_escaped_otherwise_is_replayed() {
+    let upstream = Upstream::created().await;
+    let proxy = Proxy::start(&upstream.url(), ROUTES).await;
+    let client = TestClient::default();
+    let key = [("idempotency-key", "escaped")];
+    let first = client
+        .send("POST", &proxy.url("/v1/orders?ref=a%c3%a9&to=%7Ebob"), &key, "{}")
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = client
+        .send("POST", &proxy.url("/v1/orders?ref=a%C3%A9&to=~bob"), &key, "{}")
+        .await;
+    assert!(retry.replayed(), "{}", retry.status);
+    let other = client
+        .send("POST", &proxy.url("/v1/orders?ref=a%C3%A9&to=%2Bbob"), &key, "{}")
+        .await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(upstream.hits(), 1);
+    assert_eq!(upstream.seen()[0].uri, "/v1/orders?ref=a%c3%a9&to=%7Ebob");
+}
+
 #[tokio::test]
 async fn the_key_is_forwarded_under_forward_key_header() {
     let upstream = Upstream::created().await;

@@ -2,6 +2,9 @@
 //! the route's host when it names one, the configured headers (each one's
 //! lines as one value, joined by ",") and the body as configured.
 
+use std::borrow::Cow;
+use std::fmt::Write as _;
+
 use bytes::Bytes;
 use http::request::Parts;
 use sha2::{Digest, Sha256};
@@ -9,6 +12,57 @@ use sha2::{Digest, Sha256};
 use super::canonical::{self, Json};
 use crate::config::{BodyMode, FingerprintPolicy};
 use crate::store::Fingerprint;
+
+/// `text` (a path or a query) with its percent-escapes in RFC 3986's
+/// normal form (§6.2.2): an unreserved character's escape decoded (`%7E`
+/// is `~`, `%41` is `A`), any other escape's hex digits in capitals
+/// (`%c3%a9` is `%C3%A9`). A backend that decodes them reads the same bytes
+/// either way, so a retry whose client escapes otherwise is the same
+/// request, not a 422. Nothing else changes: a reserved character and its
+/// escape (`/` and `%2F`, `+` and `%2B`) may mean different things to a
+/// backend, and stay apart. (Routing's `decode_unreserved` also escapes
+/// bytes a path should not hold as they are; a query may hold them.)
+/// Borrowed, with no work beyond a scan for `%`, when there is nothing to
+/// change.
+fn normal_escapes(text: &str) -> Cow<'_, str> {
+    let bytes = text.as_bytes();
+    if !bytes.contains(&b'%') {
+        return Cow::Borrowed(text);
+    }
+    // The byte `bytes[at..]` escapes, if it opens with an escape.
+    let escape = |at: usize| -> Option<u8> {
+        let digit = |i: usize| (*bytes.get(i)? as char).to_digit(16);
+        (bytes[at] == b'%').then_some(())?;
+        Some((digit(at + 1)? * 16 + digit(at + 2)?) as u8)
+    };
+    let unreserved = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~');
+    let normal = |at: usize, escaped: u8| {
+        !unreserved(escaped) && !bytes[at + 1].is_ascii_lowercase() && !bytes[at + 2].is_ascii_lowercase()
+    };
+    let Some(first) = (0..bytes.len()).find(|&at| escape(at).is_some_and(|escaped| !normal(at, escaped))) else {
+        return Cow::Borrowed(text);
+    };
+    let mut out = String::with_capacity(text.len());
+    out.push_str(&text[..first]);
+    let mut at = first;
+    while at < bytes.len() {
+        match escape(at) {
+            Some(escaped) if unreserved(escaped) => out.push(char::from(escaped)),
+            Some(escaped) => {
+                let _ = write!(out, "%{escaped:02X}");
+            }
+            None => {
+                // Escapes are ASCII: `at` is on a character's boundary.
+                let c = text[at..].chars().next().expect("a character");
+                out.push(c);
+                at += c.len_utf8();
+                continue;
+            }
+        }
+        at += 3;
+    }
+    Cow::Owned(out)
+}
 
 fn field(hasher: &mut Sha256, bytes: &[u8]) {
     hasher.update((bytes.len() as u64).to_be_bytes());
@@ -34,8 +88,8 @@ pub fn fingerprint(
     let mut hasher = Sha256::new();
     hasher.update(b"idemgate-fingerprint-v1");
     field(&mut hasher, parts.method.as_str().as_bytes());
-    field(&mut hasher, parts.uri.path().as_bytes());
-    field(&mut hasher, parts.uri.query().unwrap_or("").as_bytes());
+    field(&mut hasher, normal_escapes(parts.uri.path()).as_bytes());
+    field(&mut hasher, normal_escapes(parts.uri.query().unwrap_or("")).as_bytes());
     if let Some(host) = host {
         // Tagged apart from a header name, whose field is length-first, and
         // from the body's `none`, `json` or `raw`.
@@ -108,6 +162,42 @@ mod tests {
             hex(fingerprint(&policy, Some("api.example.com"), &parts, &body, None)),
             "9bbdd24a399788785da885bd44eadd45bfc09d6360d37294c52f310a460978ca"
         );
+    }
+
+    /// Escapes a backend decodes alike fingerprint alike: in either case
+    /// of hex, and an unreserved character escaped or not. A reserved
+    /// character and its escape stay apart, and so does a `%` that starts
+    /// no escape.
+    #[test]
+    fn escapes_that_decode_alike_fingerprint_alike() {
+        let policy = FingerprintPolicy {
+            headers: Vec::new(),
+            body: BodyMode::None,
+            ignore: Vec::new(),
+        };
+        let print = |target: &str| {
+            let (parts, ()) = http::Request::post(target).body(()).unwrap().into_parts();
+            fingerprint(&policy, None, &parts, &Bytes::new(), None)
+        };
+        for (a, b) in [
+            ("/v1/orders?ref=a%c3%a9", "/v1/orders?ref=a%C3%A9"),
+            ("/v1/%6Frders?ref=%7E%41", "/v1/orders?ref=~A"),
+            ("/v1/a%2fb?x=%2b", "/v1/a%2Fb?x=%2B"),
+            ("/v1/orders?ref=100%", "/v1/orders?ref=100%"),
+        ] {
+            assert_eq!(print(a), print(b), "{a} {b}");
+        }
+        for (a, b) in [
+            ("/v1/a%2Fb", "/v1/a/b"),
+            ("/v1/orders?x=%2B", "/v1/orders?x=+"),
+            ("/v1/orders?x=%26", "/v1/orders?x=&"),
+            ("/v1/orders?ref=%zz", "/v1/orders?ref=%ZZ"),
+            ("/v1/orders?ref=%C3%A9", "/v1/orders?ref=%C3%A8"),
+        ] {
+            assert_ne!(print(a), print(b), "{a} {b}");
+        }
+        assert_eq!(normal_escapes("/a%c3%a9b%7e?%"), "/a%C3%A9b~?%");
+        assert!(matches!(normal_escapes("/v1/orders?ref=a%C3%A9"), Cow::Borrowed(_)));
     }
 
     /// A listed header sent on two lines is fingerprinted as the one line
