@@ -71,8 +71,18 @@ use super::filter::KeyFilter;
 use super::waiters::Waiters;
 use super::{Claim, Fingerprint, KeyMap, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 
-/// Record key -> deadline (ms since the epoch, big-endian) ++ encoded record.
+/// Record key -> deadline (ms since the epoch, big-endian) ++ [`CHECKED`]
+/// ++ the record's CRC-32 (big-endian) ++ encoded record; or, as files
+/// written before records were checked hold them, and as the log holds
+/// them (its entries have checksums of their own), the deadline ++ the
+/// record.
 const RECORDS: TableDefinition<&[u8; 32], &[u8]> = TableDefinition::new("records");
+/// Where a record's version byte would be, marks a value whose record is
+/// checked (see [`RECORDS`]). No record version is this: an idemgate from
+/// before reads such a value as a record of an unknown version, refused
+/// (503) rather than misread, until its deadline passes.
+const CHECKED: u8 = 0xC5;
+const _: () = assert!(CHECKED != codec::VERSION);
 /// `applied_below`: every log segment numbered below it is in the file.
 /// Segment numbers only grow, across restarts too, so a recycled spare's
 /// old entries never carry a number in use again.
@@ -442,8 +452,9 @@ pub struct EmbeddedStore {
     waiters: Arc<Waiters>,
 }
 
-/// A stored record with its deadline. In the file (and the log) a value is
-/// the deadline (8 bytes, big-endian) followed by the record; the overlay
+/// A stored record with its deadline. In the log a value is the deadline
+/// (8 bytes, big-endian) followed by the record, in the file the same with
+/// the record's checksum between them (see [`RECORDS`]); the overlay
 /// keeps the two apart, so a record is shared, never copied, to renew or
 /// refresh it.
 #[derive(Clone)]
@@ -458,18 +469,39 @@ fn deadline_of(value: &[u8]) -> Result<u64, StoreError> {
     Ok(u64::from_be_bytes(head.try_into().expect("8 bytes")))
 }
 
-/// A value read from the file: its record copied out of the page.
+/// A value read from the file (or the log): its record copied out of the
+/// page, and checked against its checksum when it has one. redb checks its
+/// pages only when it repairs a file, so a byte that changed on the disk
+/// under a record would otherwise be read, and replayed, as written.
 fn split(value: &[u8]) -> Result<Stored, StoreError> {
+    let deadline = deadline_of(value)?;
+    let record = match value[8..].split_first() {
+        Some((&CHECKED, rest)) => {
+            let (sum, record) = rest
+                .split_first_chunk::<4>()
+                .ok_or(StoreError::Corrupt("record without its checksum"))?;
+            if crc32fast::hash(record) != u32::from_be_bytes(*sum) {
+                return Err(StoreError::Corrupt(
+                    "a record in the embedded store's file is damaged: its checksum does not match",
+                ));
+            }
+            record
+        }
+        _ => &value[8..],
+    };
     Ok(Stored {
-        deadline: deadline_of(value)?,
-        record: Bytes::copy_from_slice(&value[8..]),
+        deadline,
+        record: Bytes::copy_from_slice(record),
     })
 }
 
-/// The file's value for `stored`, written into `buf`.
+/// The file's value for `stored`, written into `buf`: its deadline,
+/// [`CHECKED`] and the record's CRC-32, then the record.
 fn value_into<'b>(buf: &'b mut Vec<u8>, stored: &Stored) -> &'b [u8] {
     buf.clear();
     buf.extend_from_slice(&stored.deadline.to_be_bytes());
+    buf.push(CHECKED);
+    buf.extend_from_slice(&crc32fast::hash(&stored.record).to_be_bytes());
     buf.extend_from_slice(&stored.record);
     buf
 }
@@ -526,6 +558,8 @@ impl EmbeddedStore {
                 meta.insert(LOG_FORMAT, CHAINED).map_err(unavailable)?;
                 meta.insert(SEALING, 1).map_err(unavailable)?;
                 let mut table = txn.open_table(RECORDS).map_err(unavailable)?;
+                // A replayed entry's value, as the file keeps it.
+                let mut checked = Vec::new();
                 // The segment before this one, when its entries ended
                 // without its seal.
                 let mut unsealed = None;
@@ -579,7 +613,7 @@ impl EmbeddedStore {
                     }
                     for (key, change) in entries {
                         match change {
-                            Some(value) => table.insert(key, value),
+                            Some(value) => table.insert(key, value_into(&mut checked, &split(value)?)),
                             None => table.remove(key),
                         }
                         .map_err(unavailable)?;
@@ -3075,6 +3109,45 @@ mod tests {
             .get(LOG_FORMAT)
             .unwrap();
         assert_eq!(format.map(|v| v.value()), Some(CHAINED));
+    }
+
+    /// redb checks its pages only when it repairs a file: a record whose
+    /// bytes changed on the disk under it, after a clean close, is refused
+    /// as damaged (503) rather than replayed changed. A record in the
+    /// format of files from before records were checked is read as before.
+    #[tokio::test]
+    async fn a_record_changed_on_the_disk_is_refused_not_replayed() {
+        let dir = scratch();
+        let path = dir.path().join("k.redb");
+        let store = EmbeddedStore::open(&path).unwrap();
+        let (damaged, earlier, fingerprint) = (RecordKey([90; 32]), RecordKey([91; 32]), Fingerprint([1; 32]));
+        let (lease, ttl, owner) = (Duration::from_secs(30), Duration::from_secs(600), Owner::new());
+        store.claim(&damaged, &fingerprint, owner, lease, None).await.unwrap();
+        let paid = answer(&Bytes::from_static(b"paid 100"));
+        assert!(store.complete(&damaged, &fingerprint, owner, paid, ttl).await.unwrap());
+        checkpointed(&store).await;
+        drop(store);
+        let db = reopen_db(&path);
+        let txn = db.begin_write().unwrap();
+        {
+            let mut table = txn.open_table(RECORDS).unwrap();
+            let mut value = table.get(&damaged.0).unwrap().expect("in the file").value().to_vec();
+            assert_eq!(value[8], CHECKED);
+            // "paid 109", as redb would read it back.
+            *value.last_mut().unwrap() = b'9';
+            table.insert(&damaged.0, value.as_slice()).unwrap();
+            let mut value = (wall_ms() + 600_000).to_be_bytes().to_vec();
+            value.extend_from_slice(&codec::completed(&fingerprint, &answer(&Bytes::from_static(b"old"))));
+            table.insert(&earlier.0, value.as_slice()).unwrap();
+        }
+        txn.commit().unwrap();
+        drop(db);
+
+        let store = reopen(&path);
+        let found = store.claim(&damaged, &fingerprint, Owner::new(), lease, None).await;
+        assert!(matches!(found, Err(StoreError::Corrupt(_))), "{found:?}");
+        let found = store.claim(&earlier, &fingerprint, Owner::new(), lease, None).await;
+        assert!(matches!(found, Ok(Claim::Completed { .. })), "{found:?}");
     }
 
     /// The redb file at `path`, once the last store on it has let go.
