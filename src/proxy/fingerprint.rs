@@ -20,7 +20,8 @@ use crate::store::Fingerprint;
 /// either way, so a retry whose client escapes otherwise is the same
 /// request, not a 422. Nothing else changes: a reserved character and its
 /// escape (`/` and `%2F`, `+` and `%2B`) may mean different things to a
-/// backend, and stay apart. (Routing's `decode_unreserved` also escapes
+/// backend, and stay apart. A `%` that starts no escape is `%25`, as a
+/// lenient decoder reads it. (Routing's `decode_unreserved` also escapes
 /// bytes a path should not hold as they are; a query may hold them.)
 /// Borrowed, with no work beyond a scan for `%`, when there is nothing to
 /// change.
@@ -39,7 +40,11 @@ fn normal_escapes(text: &str) -> Cow<'_, str> {
     let normal = |at: usize, escaped: u8| {
         !unreserved(escaped) && !bytes[at + 1].is_ascii_lowercase() && !bytes[at + 2].is_ascii_lowercase()
     };
-    let Some(first) = (0..bytes.len()).find(|&at| escape(at).is_some_and(|escaped| !normal(at, escaped))) else {
+    // A `%` that starts no escape is written `%25`, as a lenient decoder
+    // reads it: left bare, a hex digit decoded after it (`%%32%35`) would
+    // make an escape the request never held (`%25`).
+    let changes = |at: usize| bytes[at] == b'%' && escape(at).is_none_or(|escaped| !normal(at, escaped));
+    let Some(first) = (0..bytes.len()).find(|&at| changes(at)) else {
         return Cow::Borrowed(text);
     };
     let mut out = String::with_capacity(text.len());
@@ -50,6 +55,11 @@ fn normal_escapes(text: &str) -> Cow<'_, str> {
             Some(escaped) if unreserved(escaped) => out.push(char::from(escaped)),
             Some(escaped) => {
                 let _ = write!(out, "%{escaped:02X}");
+            }
+            None if bytes[at] == b'%' => {
+                out.push_str("%25");
+                at += 1;
+                continue;
             }
             None => {
                 // Escapes are ASCII: `at` is on a character's boundary.
@@ -165,9 +175,10 @@ mod tests {
     }
 
     /// Escapes a backend decodes alike fingerprint alike: in either case
-    /// of hex, and an unreserved character escaped or not. A reserved
-    /// character and its escape stay apart, and so does a `%` that starts
-    /// no escape.
+    /// of hex, and an unreserved character escaped or not, and a `%` that
+    /// starts no escape as `%25`. A reserved character and its escape stay
+    /// apart, and a bare `%` and the hex digits decoded after it make no
+    /// escape.
     #[test]
     fn escapes_that_decode_alike_fingerprint_alike() {
         let policy = FingerprintPolicy {
@@ -183,7 +194,8 @@ mod tests {
             ("/v1/orders?ref=a%c3%a9", "/v1/orders?ref=a%C3%A9"),
             ("/v1/%6Frders?ref=%7E%41", "/v1/orders?ref=~A"),
             ("/v1/a%2fb?x=%2b", "/v1/a%2Fb?x=%2B"),
-            ("/v1/orders?ref=100%", "/v1/orders?ref=100%"),
+            ("/v1/orders?ref=100%", "/v1/orders?ref=100%25"),
+            ("/v1/orders?ref=%zz", "/v1/orders?ref=%25zz"),
         ] {
             assert_eq!(print(a), print(b), "{a} {b}");
         }
@@ -192,11 +204,15 @@ mod tests {
             ("/v1/orders?x=%2B", "/v1/orders?x=+"),
             ("/v1/orders?x=%26", "/v1/orders?x=&"),
             ("/v1/orders?ref=%zz", "/v1/orders?ref=%ZZ"),
+            // A bare `%`, then a hex digit decoded, is not an escape.
+            ("/v1/orders?ref=%%32%35", "/v1/orders?ref=%25"),
+            ("/v1/orders?ref=%%43%33", "/v1/orders?ref=%c3"),
             ("/v1/orders?ref=%C3%A9", "/v1/orders?ref=%C3%A8"),
         ] {
             assert_ne!(print(a), print(b), "{a} {b}");
         }
-        assert_eq!(normal_escapes("/a%c3%a9b%7e?%"), "/a%C3%A9b~?%");
+        assert_eq!(normal_escapes("/a%c3%a9b%7e?%"), "/a%C3%A9b~?%25");
+        assert_eq!(normal_escapes("%%32%35%"), "%2525%25");
         assert!(matches!(normal_escapes("/v1/orders?ref=a%C3%A9"), Cow::Borrowed(_)));
     }
 
