@@ -31,7 +31,7 @@ use super::problem::Problem;
 use super::upstream::{Code, HeadBegun, OnStale, UpstreamError};
 use super::{Context, LiveRoute};
 use crate::config::{OnServerError, OnUpstreamFailure, Policy};
-use crate::store::{Fingerprint, Outcome, Owner, Record, RecordKey, StoreHandle, StoredResponse};
+use crate::store::{Fingerprint, Outcome, Owner, Record, RecordKey, StoreError, StoreHandle, StoredResponse};
 use crate::telemetry::{self, Outcome as TelemetryOutcome, RouteCounters, error_chain};
 use tracing::Instrument;
 
@@ -400,7 +400,8 @@ const LOST_LOOK_PAUSE: Duration = Duration::from_millis(100);
 async fn lost(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, outcome: &Outcome) -> bool {
     let mut found = store.inspect_sized(key, outcome.size()).await;
     for _ in 0..LOST_LOOKS {
-        if found.is_ok() {
+        // A record that cannot be read reads so again.
+        if matches!(found, Ok(_) | Err(StoreError::Corrupt(_))) {
             break;
         }
         tokio::time::sleep(LOST_LOOK_PAUSE).await;

@@ -441,7 +441,14 @@ impl Shared {
         let txn = self.db.begin_read().map_err(unavailable)?;
         let table = txn.open_table(RECORDS).map_err(unavailable)?;
         let found = table.get(&key.0).map_err(unavailable)?;
-        let stored = found.map(|v| split(v.value())).transpose()?;
+        let stored = match found.map(|v| (split(v.value()), deadline_of(v.value()))) {
+            None => None,
+            Some((Ok(stored), _)) => Some(stored),
+            // A damaged record whose deadline has passed is as gone as
+            // any expired one: only a live one blocks its key.
+            Some((Err(StoreError::Corrupt(_)), Ok(deadline))) if deadline <= self.clock.now() => None,
+            Some((Err(error), _)) => return Err(error),
+        };
         Ok(Found { stored, generation })
     }
 }
@@ -480,7 +487,7 @@ fn split(value: &[u8]) -> Result<Stored, StoreError> {
             let (sum, record) = rest
                 .split_first_chunk::<4>()
                 .ok_or(StoreError::Corrupt("record without its checksum"))?;
-            if crc32fast::hash(record) != u32::from_be_bytes(*sum) {
+            if checksum(deadline, record) != u32::from_be_bytes(*sum) {
                 return Err(StoreError::Corrupt(
                     "a record in the embedded store's file is damaged: its checksum does not match",
                 ));
@@ -496,14 +503,25 @@ fn split(value: &[u8]) -> Result<Stored, StoreError> {
 }
 
 /// The file's value for `stored`, written into `buf`: its deadline,
-/// [`CHECKED`] and the record's CRC-32, then the record.
+/// [`CHECKED`] and the CRC-32 of the deadline and the record, then the
+/// record.
 fn value_into<'b>(buf: &'b mut Vec<u8>, stored: &Stored) -> &'b [u8] {
     buf.clear();
     buf.extend_from_slice(&stored.deadline.to_be_bytes());
     buf.push(CHECKED);
-    buf.extend_from_slice(&crc32fast::hash(&stored.record).to_be_bytes());
+    buf.extend_from_slice(&checksum(stored.deadline, &stored.record).to_be_bytes());
     buf.extend_from_slice(&stored.record);
     buf
+}
+
+/// The CRC-32 a checked value carries: of its deadline (a changed one
+/// would end a record early, and let a retry run again, or keep it past
+/// its TTL) and its record.
+fn checksum(deadline: u64, record: &[u8]) -> u32 {
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&deadline.to_be_bytes());
+    crc.update(record);
+    crc.finalize()
 }
 
 impl EmbeddedStore {
@@ -613,7 +631,12 @@ impl EmbeddedStore {
                     }
                     for (key, change) in entries {
                         match change {
-                            Some(value) => table.insert(key, value_into(&mut checked, &split(value)?)),
+                            // One too short to split (never written so)
+                            // goes in as it is, refused when read.
+                            Some(value) => match split(value) {
+                                Ok(stored) => table.insert(key, value_into(&mut checked, &stored)),
+                                Err(_) => table.insert(key, value),
+                            },
                             None => table.remove(key),
                         }
                         .map_err(unavailable)?;
@@ -1779,10 +1802,16 @@ impl Batch<'_> {
                 Pending::Flag(reply, result, Some(key))
             }
             Op::Purge { key, reply } => {
-                let result = self.live(&key).map(|found| {
+                // A damaged record is purged too: an operator's way to
+                // free a key it holds.
+                let result = match self.live(&key) {
+                    Ok(found) => Ok(found.is_some()),
+                    Err(StoreError::Corrupt(_)) => Ok(true),
+                    Err(error) => Err(error),
+                };
+                if result.is_ok() {
                     self.remove(&key);
-                    found.is_some()
-                });
+                }
                 Pending::Flag(reply, result, Some(key))
             }
             Op::Renew {
@@ -3113,14 +3142,16 @@ mod tests {
 
     /// redb checks its pages only when it repairs a file: a record whose
     /// bytes changed on the disk under it, after a clean close, is refused
-    /// as damaged (503) rather than replayed changed. A record in the
-    /// format of files from before records were checked is read as before.
+    /// as damaged (503) rather than replayed changed, until a purge frees
+    /// its key, or its deadline passes. A record in the format of files
+    /// from before records were checked is read as before.
     #[tokio::test]
     async fn a_record_changed_on_the_disk_is_refused_not_replayed() {
         let dir = scratch();
         let path = dir.path().join("k.redb");
         let store = EmbeddedStore::open(&path).unwrap();
-        let (damaged, earlier, fingerprint) = (RecordKey([90; 32]), RecordKey([91; 32]), Fingerprint([1; 32]));
+        let (damaged, earlier, expired) = (RecordKey([90; 32]), RecordKey([91; 32]), RecordKey([92; 32]));
+        let fingerprint = Fingerprint([1; 32]);
         let (lease, ttl, owner) = (Duration::from_secs(30), Duration::from_secs(600), Owner::new());
         store.claim(&damaged, &fingerprint, owner, lease, None).await.unwrap();
         let paid = answer(&Bytes::from_static(b"paid 100"));
@@ -3139,6 +3170,11 @@ mod tests {
             let mut value = (wall_ms() + 600_000).to_be_bytes().to_vec();
             value.extend_from_slice(&codec::completed(&fingerprint, &answer(&Bytes::from_static(b"old"))));
             table.insert(&earlier.0, value.as_slice()).unwrap();
+            // Damaged, and past its deadline: gone, as any expired record.
+            let mut value = (wall_ms() - 1_000).to_be_bytes().to_vec();
+            value.extend_from_slice(&[CHECKED, 0, 0, 0, 0]);
+            value.extend_from_slice(&codec::completed(&fingerprint, &Outcome::Unknown));
+            table.insert(&expired.0, value.as_slice()).unwrap();
         }
         txn.commit().unwrap();
         drop(db);
@@ -3148,6 +3184,12 @@ mod tests {
         assert!(matches!(found, Err(StoreError::Corrupt(_))), "{found:?}");
         let found = store.claim(&earlier, &fingerprint, Owner::new(), lease, None).await;
         assert!(matches!(found, Ok(Claim::Completed { .. })), "{found:?}");
+        let found = store.claim(&expired, &fingerprint, Owner::new(), lease, None).await;
+        assert!(matches!(found, Ok(Claim::Claimed)), "{found:?}");
+        // An operator's purge frees the damaged one's key.
+        assert!(store.purge(&damaged).await.unwrap());
+        let found = store.claim(&damaged, &fingerprint, Owner::new(), lease, None).await;
+        assert!(matches!(found, Ok(Claim::Claimed)), "{found:?}");
     }
 
     /// The redb file at `path`, once the last store on it has let go.

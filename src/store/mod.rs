@@ -618,8 +618,9 @@ impl StoreHandle {
             }
             Err(StoreError::Timeout(_)) => self.see_through(claim, key, owner, lease),
             // Never sent, it took nothing: a release would only be one more
-            // call to a store that is down.
-            Err(StoreError::NotSent(_)) | Ok(_) => {}
+            // call to a store that is down. A record the store answered
+            // with but cannot read took nothing either.
+            Err(StoreError::NotSent(_) | StoreError::Corrupt(_)) | Ok(_) => {}
             // The store may have taken the claim before the error (a
             // connection that dropped with the answer on its way).
             Err(_) => self.release_in_background(key, owner),
