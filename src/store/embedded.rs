@@ -441,14 +441,10 @@ impl Shared {
         let txn = self.db.begin_read().map_err(unavailable)?;
         let table = txn.open_table(RECORDS).map_err(unavailable)?;
         let found = table.get(&key.0).map_err(unavailable)?;
-        let stored = match found.map(|v| (split(v.value()), deadline_of(v.value()))) {
-            None => None,
-            Some((Ok(stored), _)) => Some(stored),
-            // A damaged record whose deadline has passed is as gone as
-            // any expired one: only a live one blocks its key.
-            Some((Err(StoreError::Corrupt(_)), Ok(deadline))) if deadline <= self.clock.now() => None,
-            Some((Err(error), _)) => return Err(error),
-        };
+        // A damaged record is refused whatever its deadline says, which
+        // its checksum covers: a deadline damaged into the past would let
+        // a retry run again.
+        let stored = found.map(|v| split(v.value())).transpose()?;
         Ok(Found { stored, generation })
     }
 }
@@ -2025,7 +2021,10 @@ impl Checkpointer {
                 for entry in table.range::<&[u8; 32]>(&start..).map_err(unavailable)? {
                     let (key, value) = entry.map_err(unavailable)?;
                     let key = *key.value();
-                    if deadline_of(value.value()).is_ok_and(|d| d <= now) {
+                    // A record whose checksum fails keeps its key (503)
+                    // until a purge: its deadline cannot be trusted, and
+                    // swept early, its retry would run again.
+                    if deadline_of(value.value()).is_ok_and(|d| d <= now) && split(value.value()).is_ok() {
                         expired.push(key);
                     }
                     last = Some(key);
@@ -3143,8 +3142,9 @@ mod tests {
     /// redb checks its pages only when it repairs a file: a record whose
     /// bytes changed on the disk under it, after a clean close, is refused
     /// as damaged (503) rather than replayed changed, until a purge frees
-    /// its key, or its deadline passes. A record in the format of files
-    /// from before records were checked is read as before.
+    /// its key: whatever its deadline says, which may be the damage. A
+    /// record in the format of files from before records were checked is
+    /// read as before.
     #[tokio::test]
     async fn a_record_changed_on_the_disk_is_refused_not_replayed() {
         let dir = scratch();
@@ -3170,7 +3170,7 @@ mod tests {
             let mut value = (wall_ms() + 600_000).to_be_bytes().to_vec();
             value.extend_from_slice(&codec::completed(&fingerprint, &answer(&Bytes::from_static(b"old"))));
             table.insert(&earlier.0, value.as_slice()).unwrap();
-            // Damaged, and past its deadline: gone, as any expired record.
+            // Damaged, its deadline (which might be the damage) past: kept.
             let mut value = (wall_ms() - 1_000).to_be_bytes().to_vec();
             value.extend_from_slice(&[CHECKED, 0, 0, 0, 0]);
             value.extend_from_slice(&codec::completed(&fingerprint, &Outcome::Unknown));
@@ -3184,12 +3184,16 @@ mod tests {
         assert!(matches!(found, Err(StoreError::Corrupt(_))), "{found:?}");
         let found = store.claim(&earlier, &fingerprint, Owner::new(), lease, None).await;
         assert!(matches!(found, Ok(Claim::Completed { .. })), "{found:?}");
+        // Nor does a sweep take it.
+        tokio::time::sleep(SWEEP_EVERY + CHECKPOINT_EVERY).await;
         let found = store.claim(&expired, &fingerprint, Owner::new(), lease, None).await;
-        assert!(matches!(found, Ok(Claim::Claimed)), "{found:?}");
-        // An operator's purge frees the damaged one's key.
-        assert!(store.purge(&damaged).await.unwrap());
-        let found = store.claim(&damaged, &fingerprint, Owner::new(), lease, None).await;
-        assert!(matches!(found, Ok(Claim::Claimed)), "{found:?}");
+        assert!(matches!(found, Err(StoreError::Corrupt(_))), "{found:?}");
+        // An operator's purge frees a damaged record's key.
+        for key in [damaged, expired] {
+            assert!(store.purge(&key).await.unwrap());
+            let found = store.claim(&key, &fingerprint, Owner::new(), lease, None).await;
+            assert!(matches!(found, Ok(Claim::Claimed)), "{found:?}");
+        }
     }
 
     /// The redb file at `path`, once the last store on it has let go.
