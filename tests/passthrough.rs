@@ -306,6 +306,9 @@ async fn an_http2_requests_host_is_checked_as_an_http1_requests() {
             &["a.example"],
             "another host than :authority",
         ),
+        // A port that is not one names no endpoint.
+        ("http://a.example/pass", &["a.example:99999"], "another host"),
+        ("http://a.example/pass", &["a.example:8o"], "another host"),
     ] {
         let (status, body) = send(target, hosts).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{target} {hosts:?}: {body}");

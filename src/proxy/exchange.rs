@@ -704,7 +704,7 @@ impl Exchange {
             }
         }
         if whole {
-            counters.count(TelemetryOutcome::Forwarded);
+            counters.count_noted(TelemetryOutcome::Forwarded);
             let outcome = keep.then(|| {
                 let headers: SmallVec<[_; 16]> = kept_headers(&head.headers, policy).collect();
                 kept(early_len > limit, status, &headers, &early)
@@ -766,7 +766,7 @@ impl Exchange {
                 }
             }
         }
-        counters.count(TelemetryOutcome::Forwarded);
+        counters.count_noted(TelemetryOutcome::Forwarded);
         let Relay {
             client, held, recorder, ..
         } = relay;

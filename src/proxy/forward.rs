@@ -115,10 +115,28 @@ pub fn host_contradicts_authority(uri: &Uri, headers: &HeaderMap) -> bool {
     let named = endpoint(authority.host(), authority.port_u16());
     headers.get_all(header::HOST).iter().any(|host| {
         match host.to_str().ok().and_then(|h| h.parse::<http::uri::Authority>().ok()) {
-            Some(host) if !host.as_str().contains('@') => endpoint(host.host(), host.port_u16()) != named,
+            // A port that is not one (`:99999`, `:8o`, which `port_u16`
+            // reads as none) names no endpoint.
+            Some(host)
+                if !host.as_str().contains('@')
+                    && port_text(host.as_str()).is_none_or(|p| p.parse::<u16>().is_ok()) =>
+            {
+                endpoint(host.host(), host.port_u16()) != named
+            }
             _ => true,
         }
     })
+}
+
+/// The port of an authority `host[:port]` as written, when it has one
+/// that is not empty.
+fn port_text(authority: &str) -> Option<&str> {
+    let after_host = match authority.strip_prefix('[') {
+        Some(literal) => &literal[literal.find(']')? + 1..],
+        None => authority,
+    };
+    let (_, port) = after_host.rsplit_once(':')?;
+    (!port.is_empty()).then_some(port)
 }
 
 /// The target's own `host[:port]` as a `Host` value, when it names one:

@@ -159,8 +159,14 @@ pub struct RouteCounters {
 impl RouteCounters {
     /// Counts `outcome`, and records it on the current request span.
     pub fn count(&self, outcome: Outcome) {
-        self.counts.local()[outcome as usize].fetch_add(1, Ordering::Relaxed);
+        self.count_noted(outcome);
         Self::note(outcome);
+    }
+
+    /// Counts `outcome` already [noted](RouteCounters::note) on the
+    /// request span (recorded again, the log line would name it twice).
+    pub fn count_noted(&self, outcome: Outcome) {
+        self.counts.local()[outcome as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Records `outcome` on the current request span without counting it:
