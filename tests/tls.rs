@@ -198,32 +198,36 @@ async fn an_unfinished_tls_handshake_does_not_hold_the_drain() {
     drop((silent, partial));
 }
 
-/// Plain HTTP sent to the TLS listener (`http://` for `https://`) gets a
-/// readable 400 saying so, as nginx answers, not a TLS alert; the upstream
-/// sees nothing.
+/// Plain HTTP sent to the TLS listener (`http://` for `https://`), or
+/// any text, gets a readable 400 saying so, as nginx answers, not a TLS
+/// alert; the upstream sees nothing.
 #[tokio::test]
 async fn plain_http_sent_to_the_tls_listener_gets_a_readable_400() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let pki = Pki::new();
     let upstream = Upstream::created().await;
     let proxy = orders_over_tls(&pki, &upstream).await;
-    let mut plain = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    plain
-        .write_all(b"POST /v1/orders HTTP/1.1\r\nhost: localhost\r\nidempotency-key: k\r\ncontent-length: 2\r\n\r\n{}")
-        .await
-        .unwrap();
-    let mut answer = Vec::new();
-    tokio::time::timeout(std::time::Duration::from_secs(5), plain.read_to_end(&mut answer))
-        .await
-        .expect("the connection was not closed after the answer")
-        .unwrap();
-    let answer = String::from_utf8(answer).unwrap();
-    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
-    assert!(answer.contains("application/problem+json"), "{answer}");
-    assert!(
-        answer.contains("plain HTTP was sent to a port that speaks HTTPS"),
-        "{answer}"
-    );
+    // A request, and any text: a method in small letters, a blank line first.
+    for opening in [
+        &b"POST /v1/orders HTTP/1.1\r\nhost: localhost\r\nidempotency-key: k\r\ncontent-length: 2\r\n\r\n{}"[..],
+        b"get / HTTP/1.1\r\n\r\n",
+        b"\r\nGET / HTTP/1.1\r\n\r\n",
+    ] {
+        let mut plain = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        plain.write_all(opening).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(std::time::Duration::from_secs(5), plain.read_to_end(&mut answer))
+            .await
+            .expect("the connection was not closed after the answer")
+            .unwrap();
+        let answer = String::from_utf8(answer).unwrap();
+        assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+        assert!(answer.contains("application/problem+json"), "{answer}");
+        assert!(
+            answer.contains("plain HTTP was sent to a port that speaks HTTPS"),
+            "{answer}"
+        );
+    }
     assert_eq!(upstream.hits(), 0);
     // TLS clients on the same port are served as before.
     drop(pki.connect_h2(proxy.addr).await);

@@ -520,12 +520,14 @@ impl Server {
     }
 }
 
-/// Whether a connection to the TLS listener opened with plain HTTP: its
-/// first byte a letter (a method, or HTTP/2's `PRI` preface), where a TLS
-/// client's opens a handshake record (22).
+/// Whether a connection to the TLS listener opened with plain text, as
+/// plain HTTP does: its first byte printable ASCII or a line's whitespace
+/// (a method in any case, HTTP/2's `PRI` preface, a stray blank line),
+/// where a TLS client's opens a handshake record (22), and an SSLv2-style
+/// hello with its high bit set.
 async fn opens_with_plain_http(stream: &tokio::net::TcpStream) -> bool {
     let mut first = [0u8; 1];
-    matches!(stream.peek(&mut first).await, Ok(1)) && first[0].is_ascii_uppercase()
+    matches!(stream.peek(&mut first).await, Ok(1)) && (first[0].is_ascii_graphic() || b" \t\r\n".contains(&first[0]))
 }
 
 /// Serves a connection as HTTP/1.1, or as HTTP/2 if it opens with the
