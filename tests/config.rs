@@ -565,6 +565,10 @@ fn settings_that_could_never_work_are_refused_by_field() {
         ("forward_key_header", "transfer-encoding"),
         ("forward_key_header", "Expect"),
         ("forward_key_header", "Forwarded"),
+        // A credential the key would replace.
+        ("forward_key_header", "Authorization"),
+        ("forward_key_header", "proxy-authorization"),
+        ("forward_key_header", "Cookie"),
         ("key.header", "expect"),
         ("key.header", "Content-Length"),
         ("key.header", "connection"),
@@ -578,6 +582,12 @@ fn settings_that_could_never_work_are_refused_by_field() {
         let error = route(&line).unwrap_err();
         assert!(error.contains(&format!("route[0].{field}")), "{name}: {error}");
     }
+    // A header the route's scope reads, which the key would replace.
+    let error = route("scope = [\"x-tenant\"]\nforward_key_header = \"X-Tenant\"").unwrap_err();
+    assert!(
+        error.contains("route[0].forward_key_header") && error.contains("scope"),
+        "{error}"
+    );
     for ok in [
         "forward_key_header = \"X-Request-Key\"",
         "forward_key_header = \"\"",

@@ -168,6 +168,23 @@ fn key_header_name(s: &str, forwarded: bool) -> Result<HeaderName, String> {
              the client's key would set it instead"
         ));
     }
+    // A credential: forwarded under it, the client's key would stand in
+    // for the credential the client sent, which the backend then reads
+    // (and a scope on that header would keep the record apart by the one
+    // the backend never saw).
+    if forwarded
+        && [
+            http::header::AUTHORIZATION,
+            http::header::PROXY_AUTHORIZATION,
+            http::header::COOKIE,
+        ]
+        .contains(&name)
+    {
+        return Err(format!(
+            "`{s}` carries the client's credentials: the client's key would replace them on the way to the \
+             upstream"
+        ));
+    }
     // The listener's own (it answers `100-continue` itself): forwarded,
     // the key would never reach the upstream; read, every client that
     // waits for a 100 would send the one key `100-continue`.
@@ -376,7 +393,7 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
             },
         ),
     };
-    Policy {
+    let policy = Policy {
         methods,
         ttl: c.duration_at_least(
             &f("ttl"),
@@ -420,7 +437,22 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
         mode: c.choice(&f("mode"), raw.mode.as_ref(), base.mode),
         key,
         fingerprint,
+    };
+    // The header a scope reads, replaced by the key on the way: records
+    // kept apart by what the client sent there, the backend reading the
+    // key instead.
+    if let Some(name) = &policy.forward_key_header
+        && policy.scope.contains(name)
+        && (raw.forward_key_header.is_some() || raw.scope.is_some())
+    {
+        c.problem(
+            &f("forward_key_header"),
+            format!(
+                "`{name}` is in this route's scope: the key forwarded under it would replace the value the scope reads"
+            ),
+        );
     }
+    policy
 }
 
 pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
