@@ -582,6 +582,12 @@ fn settings_that_could_never_work_are_refused_by_field() {
         let error = route(&line).unwrap_err();
         assert!(error.contains(&format!("route[0].{field}")), "{name}: {error}");
     }
+    // A scope by a header of the connection.
+    let error = route("scope = [\"authorization\", \"Connection\"]").unwrap_err();
+    assert!(
+        error.contains("route[0].scope") && error.contains("connection"),
+        "{error}"
+    );
     // A header the route's scope reads, which the key would replace.
     let error = route("scope = [\"x-tenant\"]\nforward_key_header = \"X-Tenant\"").unwrap_err();
     assert!(
@@ -947,6 +953,11 @@ fn config_errors_never_repeat_a_secret() {
             "{error}"
         );
     }
+    // The path left out of the message is said to be there.
+    let error = Config::parse("[upstream]\nurl = \"http://127.0.0.1:3000/prefix\"\n", "x.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("is followed by a path or query"), "{error}");
 }
 
 #[test]

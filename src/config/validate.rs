@@ -232,7 +232,8 @@ fn upstream_url(s: &str) -> Result<Uri, String> {
     }
     if uri.path() != "/" && !uri.path().is_empty() || uri.query().is_some() {
         return Err(format!(
-            "`{shown}` must be scheme://host[:port] without a path or query"
+            "`{shown}` is followed by a path or query (not shown: it may hold a token): \
+             give scheme://host[:port] alone"
         ));
     }
     Ok(uri)
@@ -438,6 +439,18 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
         key,
         fingerprint,
     };
+    // A header of the connection differs from hop to hop, and a proxy on
+    // the way may drop or rewrite it: no scope to keep records apart by.
+    if raw.scope.is_some()
+        && let Some(name) = policy.scope.iter().find(|name| crate::wire::is_hop_by_hop(name))
+    {
+        c.problem(
+            &f("scope"),
+            format!(
+                "`{name}` is a header of the connection, which each hop may change: scope by a header of the request"
+            ),
+        );
+    }
     // The header a scope reads, replaced by the key on the way: records
     // kept apart by what the client sent there, the backend reading the
     // key instead.
