@@ -244,9 +244,15 @@ fn serve(path: &Path) -> anyhow::Result<()> {
         // store took to open.
         (hangups, Signals::new(), store)
     };
-    let listeners = server::bind_listeners(config.server.listen, workers)?;
+    // Named by file and field, as a store that cannot open is.
+    let field = |name: &str| format!("{}: {name}", path.display());
+    let listeners = server::bind_listeners(config.server.listen, workers).with_context(|| field("server.listen"))?;
     let mut admin = match config.server.admin_listen {
-        Some(addr) => Some(server::bind_listeners(addr, 1)?.remove(0)),
+        Some(addr) => Some(
+            server::bind_listeners(addr, 1)
+                .with_context(|| field("server.admin_listen"))?
+                .remove(0),
+        ),
         None => None,
     };
     let metrics = Arc::new(Metrics::default());

@@ -803,6 +803,32 @@ fn check_warns_of_a_route_an_earlier_one_shadows() {
     );
 }
 
+/// A port another process holds is named by the field that asked for it.
+#[test]
+fn a_port_in_use_is_named_by_its_field() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap();
+    for (field, server) in [
+        ("server.listen", format!("listen = \"{addr}\"\nadmin_listen = \"\"")),
+        (
+            "server.admin_listen",
+            format!("listen = \"127.0.0.1:0\"\nadmin_listen = \"{addr}\""),
+        ),
+    ] {
+        let path = temp_file(
+            "taken.toml",
+            &format!("[server]\n{server}\n[upstream]\nurl = \"http://127.0.0.1:1\"\n[store]\nbackend = \"memory\"\n"),
+        );
+        let output = idemgate(&["--config", path.to_str().unwrap()]);
+        assert_eq!(output.status.code(), Some(1), "{field}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains(&format!("taken.toml: {field}: cannot listen on {addr}")),
+            "{stderr}"
+        );
+    }
+}
+
 #[test]
 fn a_bad_config_exits_non_zero_before_binding_any_port() {
     let port = {
