@@ -79,14 +79,20 @@ impl Pki {
 /// A proxy serving TLS with `pki`'s certificate, an `orders` route at
 /// `/v1/orders` in front of `upstream`.
 async fn orders_over_tls(pki: &Pki, upstream: &Upstream) -> Proxy {
-    Proxy::start(
-        &upstream.url(),
-        &format!(
-            "[server]\n{}[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n",
-            pki.listener_toml()
-        ),
+    over_tls(
+        pki,
+        upstream,
+        "",
+        "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\n",
     )
     .await
+}
+
+/// A proxy serving TLS with `pki`'s certificate in front of `upstream`,
+/// with `server` lines in its `[server]` table and then `routes`.
+async fn over_tls(pki: &Pki, upstream: &Upstream, server: &str, routes: &str) -> Proxy {
+    let config = format!("[server]\n{server}{}{routes}", pki.listener_toml());
+    Proxy::start(&upstream.url(), &config).await
 }
 
 fn toml_path(p: &Path) -> String {
@@ -154,14 +160,8 @@ async fn the_listener_serves_http1_and_http2_by_alpn_to_a_verifying_client() {
 async fn a_silent_http2_client_over_tls_does_not_hold_the_drain() {
     let pki = Pki::new();
     let upstream = Upstream::created().await;
-    let proxy = Proxy::start(
-        &upstream.url(),
-        &format!(
-            "[server]\nheader_read_timeout = \"300ms\"\nshutdown_grace = \"20s\"\n{}",
-            pki.listener_toml()
-        ),
-    )
-    .await;
+    let drain = "header_read_timeout = \"300ms\"\nshutdown_grace = \"20s\"\n";
+    let proxy = over_tls(&pki, &upstream, drain, "").await;
     let stream = pki.connect_h2(proxy.addr).await;
     // Past the handshake, into serving, before the stop.
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
@@ -179,14 +179,8 @@ async fn an_unfinished_tls_handshake_does_not_hold_the_drain() {
     use tokio::io::AsyncWriteExt;
     let pki = Pki::new();
     let upstream = Upstream::created().await;
-    let proxy = Proxy::start(
-        &upstream.url(),
-        &format!(
-            "[server]\nheader_read_timeout = \"10s\"\nshutdown_grace = \"20s\"\n{}",
-            pki.listener_toml()
-        ),
-    )
-    .await;
+    let drain = "header_read_timeout = \"10s\"\nshutdown_grace = \"20s\"\n";
+    let proxy = over_tls(&pki, &upstream, drain, "").await;
     let silent = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     let mut partial = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     // The first bytes of a TLS record holding a ClientHello.

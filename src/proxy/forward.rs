@@ -110,9 +110,12 @@ pub fn host_contradicts_authority(uri: &Uri, headers: &HeaderMap) -> bool {
     } else {
         80
     };
-    let endpoint =
-        |host: &str, port: Option<u16>| (host.trim_end_matches('.').to_ascii_lowercase(), port.unwrap_or(default));
-    let named = endpoint(authority.host(), authority.port_u16());
+    let same = |host: &http::uri::Authority| {
+        host.host()
+            .trim_end_matches('.')
+            .eq_ignore_ascii_case(authority.host().trim_end_matches('.'))
+            && host.port_u16().unwrap_or(default) == authority.port_u16().unwrap_or(default)
+    };
     headers.get_all(header::HOST).iter().any(|host| {
         match host.to_str().ok().and_then(|h| h.parse::<http::uri::Authority>().ok()) {
             // A port that is not one (`:99999`, `:8o`, which `port_u16`
@@ -121,7 +124,7 @@ pub fn host_contradicts_authority(uri: &Uri, headers: &HeaderMap) -> bool {
                 if !host.as_str().contains('@')
                     && port_text(host.as_str()).is_none_or(|p| p.parse::<u16>().is_ok()) =>
             {
-                endpoint(host.host(), host.port_u16()) != named
+                !same(&host)
             }
             _ => true,
         }

@@ -72,7 +72,8 @@ use super::waiters::Waiters;
 use super::{Claim, Fingerprint, KeyMap, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 
 /// Record key -> deadline (ms since the epoch, big-endian) ++ [`CHECKED`]
-/// ++ the record's CRC-32 (big-endian) ++ encoded record; or, as files
+/// ++ the CRC-32 of the deadline and the record (big-endian) ++ encoded
+/// record; or, as files
 /// written before records were checked hold them, and as the log holds
 /// them (its entries have checksums of their own), the deadline ++ the
 /// record.
@@ -457,7 +458,7 @@ pub struct EmbeddedStore {
 
 /// A stored record with its deadline. In the log a value is the deadline
 /// (8 bytes, big-endian) followed by the record, in the file the same with
-/// the record's checksum between them (see [`RECORDS`]); the overlay
+/// a checksum of both between them (see [`RECORDS`]); the overlay
 /// keeps the two apart, so a record is shared, never copied, to renew or
 /// refresh it.
 #[derive(Clone)]
@@ -472,41 +473,44 @@ fn deadline_of(value: &[u8]) -> Result<u64, StoreError> {
     Ok(u64::from_be_bytes(head.try_into().expect("8 bytes")))
 }
 
-/// A value read from the file (or the log): its record copied out of the
-/// page, and checked against its checksum when it has one. redb checks its
-/// pages only when it repairs a file, so a byte that changed on the disk
-/// under a record would otherwise be read, and replayed, as written.
-fn split(value: &[u8]) -> Result<Stored, StoreError> {
+/// A value read from the file (or the log): its deadline and its record,
+/// checked against its checksum when it has one. redb checks its pages
+/// only when it repairs a file, so a byte that changed on the disk under a
+/// record would otherwise be read, and replayed, as written.
+fn parts(value: &[u8]) -> Result<(u64, &[u8]), StoreError> {
     let deadline = deadline_of(value)?;
-    let record = match value[8..].split_first() {
-        Some((&CHECKED, rest)) => {
-            let (sum, record) = rest
-                .split_first_chunk::<4>()
-                .ok_or(StoreError::Corrupt("record without its checksum"))?;
-            if checksum(deadline, record) != u32::from_be_bytes(*sum) {
-                return Err(StoreError::Corrupt(
-                    "a record in the embedded store's file is damaged: its checksum does not match",
-                ));
-            }
-            record
-        }
-        _ => &value[8..],
+    let Some((&CHECKED, rest)) = value[8..].split_first() else {
+        return Ok((deadline, &value[8..]));
     };
+    let (sum, record) = rest
+        .split_first_chunk::<4>()
+        .ok_or(StoreError::Corrupt("record without its checksum"))?;
+    if checksum(deadline, record) != u32::from_be_bytes(*sum) {
+        return Err(StoreError::Corrupt(
+            "a record in the embedded store's file is damaged: its checksum does not match",
+        ));
+    }
+    Ok((deadline, record))
+}
+
+/// [`parts`], its record copied out of the page.
+fn split(value: &[u8]) -> Result<Stored, StoreError> {
+    let (deadline, record) = parts(value)?;
     Ok(Stored {
         deadline,
         record: Bytes::copy_from_slice(record),
     })
 }
 
-/// The file's value for `stored`, written into `buf`: its deadline,
-/// [`CHECKED`] and the CRC-32 of the deadline and the record, then the
-/// record.
-fn value_into<'b>(buf: &'b mut Vec<u8>, stored: &Stored) -> &'b [u8] {
+/// The file's value for `record` with its `deadline`, written into `buf`:
+/// the deadline, [`CHECKED`] and the CRC-32 of the deadline and the
+/// record, then the record.
+fn value_into<'b>(buf: &'b mut Vec<u8>, deadline: u64, record: &[u8]) -> &'b [u8] {
     buf.clear();
-    buf.extend_from_slice(&stored.deadline.to_be_bytes());
+    buf.extend_from_slice(&deadline.to_be_bytes());
     buf.push(CHECKED);
-    buf.extend_from_slice(&checksum(stored.deadline, &stored.record).to_be_bytes());
-    buf.extend_from_slice(&stored.record);
+    buf.extend_from_slice(&checksum(deadline, record).to_be_bytes());
+    buf.extend_from_slice(record);
     buf
 }
 
@@ -629,8 +633,8 @@ impl EmbeddedStore {
                         match change {
                             // One too short to split (never written so)
                             // goes in as it is, refused when read.
-                            Some(value) => match split(value) {
-                                Ok(stored) => table.insert(key, value_into(&mut checked, &stored)),
+                            Some(value) => match parts(value) {
+                                Ok((deadline, record)) => table.insert(key, value_into(&mut checked, deadline, record)),
                                 Err(_) => table.insert(key, value),
                             },
                             None => table.remove(key),
@@ -1995,7 +1999,7 @@ impl Checkpointer {
                         // transaction that then fails leaves it counted
                         // (its retry counts it again): too many is safe.
                         if table
-                            .insert(key, value_into(&mut value, stored))
+                            .insert(key, value_into(&mut value, stored.deadline, &stored.record))
                             .map_err(unavailable)?
                             .is_none()
                         {
@@ -2024,7 +2028,7 @@ impl Checkpointer {
                     // A record whose checksum fails keeps its key (503)
                     // until a purge: its deadline cannot be trusted, and
                     // swept early, its retry would run again.
-                    if deadline_of(value.value()).is_ok_and(|d| d <= now) && split(value.value()).is_ok() {
+                    if parts(value.value()).is_ok_and(|(deadline, _)| deadline <= now) {
                         expired.push(key);
                     }
                     last = Some(key);
