@@ -151,8 +151,8 @@ fn filter(spec: Option<&str>) -> tracing_subscriber::EnvFilter {
     filter
 }
 
-/// Installs the global subscriber: `RUST_LOG` filters (see [`filter`];
-/// default [`DEFAULT_FILTER`]),
+/// Installs the global subscriber: `RUST_LOG` filters (default
+/// [`DEFAULT_FILTER`]; the `h2` crate held at INFO at most unless named),
 /// `IDEMGATE_LOG_FORMAT=json` selects JSON lines instead of text. Text is
 /// coloured only on a terminal (and without `NO_COLOR`): a service
 /// manager, a container runtime or a file gets plain lines.
