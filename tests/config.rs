@@ -780,6 +780,38 @@ fn check_warns_of_a_route_no_request_can_reach() {
     assert!(warning.contains("route[0] matrix: path holds `;` or `//`"), "{warning}");
 }
 
+/// `/files/*` and `/orders/:id` are other routers' wildcards: here they
+/// match only that very text, and `check` says how to write what was
+/// meant. A `*` or `:` elsewhere in a segment is no such slip.
+#[test]
+fn check_warns_of_another_routers_wildcards() {
+    let path = temp_file(
+        "wildcards.toml",
+        "[upstream]\nurl = \"http://127.0.0.1:1\"\n\
+         [[route]]\nname = \"files\"\npath = \"/files/*\"\n\
+         [[route]]\nname = \"order\"\npath = \"/orders/:id/items\"\n\
+         [[route]]\nname = \"prefix\"\npath = \"/v2/report*\"\n\
+         [[route]]\nname = \"plain\"\npath = \"/v1/a*b/urn:x\"\n",
+    );
+    let output = idemgate(&["check", "--config", path.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let warnings: Vec<_> = stdout.lines().filter(|l| l.starts_with("warning: ")).collect();
+    assert_eq!(warnings.len(), 3, "{stdout}");
+    for (warning, (route, segment)) in warnings.iter().zip([
+        ("route[0] files", "*"),
+        ("route[1] order", ":id"),
+        ("route[2] prefix", "report*"),
+    ]) {
+        assert!(
+            warning.contains(&format!(
+                "{route}: path segment `{segment}` is matched as that very text"
+            )),
+            "{warning}"
+        );
+    }
+}
+
 /// Routes are matched in order: one that an earlier route takes every
 /// request of is never reached, and `check` says so. Narrower routes
 /// listed first, other methods and routes of another host are not.

@@ -501,6 +501,17 @@ pub fn warnings(config: &Config) -> Vec<String> {
                 route.name,
             )
         });
+    // `/files/*` or `/orders/:id` as Express, Gin or older axum write
+    // them: a route for that literal text, which no request is likely to
+    // send.
+    let foreign = config.routes.iter().enumerate().filter_map(|(i, route)| {
+        let segment = route.path.foreign_wildcard()?;
+        Some(format!(
+            "route[{i}] {}: path segment `{segment}` is matched as that very text; write {{name}} for \
+             any one segment and {{*name}} for the rest of the path",
+            route.name,
+        ))
+    });
     // Routes are matched in order, the first that takes a request's path
     // and method winning: one listed after another that takes all its
     // requests never sees one. (Judged by two sample paths of its own, so
@@ -541,6 +552,7 @@ pub fn warnings(config: &Config) -> Vec<String> {
     leases
         .chain(large)
         .chain(unreachable)
+        .chain(foreign)
         .chain(shadowed)
         .chain(no_methods)
         .collect()

@@ -101,6 +101,16 @@ impl PathPattern {
         format!("/{}", segments.collect::<Vec<_>>().join("/"))
     }
 
+    /// The first literal segment written as another router's wildcard or
+    /// parameter (`*`, `files*`, `:id`), which this one matches only as
+    /// that very text.
+    pub fn foreign_wildcard(&self) -> Option<&str> {
+        self.segments.iter().find_map(|segment| match segment {
+            Segment::Literal(text) if text.ends_with('*') || text.starts_with(':') => Some(text.as_str()),
+            _ => None,
+        })
+    }
+
     /// Whether the pattern names a path parameter `name`.
     pub fn has_param(&self, name: &str) -> bool {
         self.segments.iter().any(|s| match s {
