@@ -255,6 +255,10 @@ fn serve(path: &Path) -> anyhow::Result<()> {
         ),
         None => None,
     };
+    // For the one line that says the proxy serves: the ports as bound
+    // (`:0` is one the kernel chose).
+    let listening = listeners[0].local_addr().context("the proxy listener has no address")?;
+    let admin_listening = admin.as_ref().and_then(|admin| admin.local_addr().ok());
     let metrics = Arc::new(Metrics::default());
     let (stop, stopped) = tokio::sync::watch::channel(false);
     // The admin listener, served by the first worker, closes only once the
@@ -295,12 +299,26 @@ fn serve(path: &Path) -> anyhow::Result<()> {
         threads.push(thread);
         reloaders.push(started.recv().context("a worker thread died while starting")??);
     }
-    tracing::info!(workers, "idemgate serving");
+    tracing::info!(
+        listen = %listening,
+        admin = %admin_listening.map_or_else(|| "off".to_owned(), |addr| addr.to_string()),
+        upstream = %config.upstream.url,
+        store = %idemgate::config::store_summary(&config),
+        routes = config.routes.len(),
+        workers,
+        "idemgate serving"
+    );
+    // The grace in force when the signal comes: a reload may change it.
+    let current = reloaders[0].clone();
     background.block_on(async {
         reload_on_sighup(path.to_path_buf(), reloaders, hangups);
         shutdown_signal(signals).await;
         anyhow::Ok(())
     })?;
+    tracing::info!(
+        grace = %humantime::format_duration(current.shutdown_grace()),
+        "draining connections and claimed exchanges"
+    );
     let _ = stop.send(true);
     let mut threads = threads.into_iter();
     let first = threads.next();
@@ -311,6 +329,7 @@ fn serve(path: &Path) -> anyhow::Result<()> {
     if let Some(first) = first {
         let _ = first.join();
     }
+    tracing::info!("stopped");
     Ok(())
 }
 

@@ -90,7 +90,13 @@ async fn the_binary_logs_plain_text_or_json_lines_and_never_secrets() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let log = gate.log();
-        assert!(log.contains("idemgate serving"), "{log}");
+        // One line for the process, not one a worker, with both of its
+        // addresses.
+        assert_eq!(log.matches("idemgate serving").count(), 1, "{log}");
+        let serving = log.lines().find(|line| line.contains("idemgate serving")).unwrap();
+        for address in [gate.addr, gate.admin] {
+            assert!(serving.contains(&address.to_string()), "{serving}");
+        }
         assert!(!log.contains('\x1b'), "terminal escapes in a {format} log:\n{log:?}");
         for secret in ["SECRET", "TOKEN-7c2e55"] {
             assert!(!log.contains(secret), "`{secret}` leaked into the {format} log:\n{log}");
@@ -221,6 +227,16 @@ async fn the_admin_listener_answers_until_every_worker_has_drained() {
     assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);
     let status = gate.wait(Duration::from_secs(10)).expect("SIGTERM stops the process");
     assert!(status.success(), "{status:?}");
+    // Said once for the process, not once a worker.
+    let log = gate.log();
+    for (line, count) in [
+        ("idemgate serving", 1),
+        ("draining", 1),
+        ("grace=30s", 1),
+        ("stopped", 1),
+    ] {
+        assert_eq!(log.matches(line).count(), count, "{line}: {log}");
+    }
 }
 
 #[tokio::test]

@@ -558,14 +558,10 @@ pub fn warnings(config: &Config) -> Vec<String> {
         .collect()
 }
 
-/// The effective routes, one block each, as `idemgate check` prints them,
-/// in the config's own words.
-pub fn describe(config: &Config) -> String {
-    use std::fmt::Write;
-    let mut out = String::new();
-    let d = |d: Duration| humantime::format_duration(d).to_string();
-    let names = |v: &[HeaderName]| v.iter().map(|h| h.as_str()).collect::<Vec<_>>().join(", ");
-    let store = match &config.store.backend {
+/// The store and its settings, its passwords masked: for `idemgate check`
+/// and the line logged at start.
+pub fn store_summary(config: &Config) -> String {
+    match &config.store.backend {
         StoreBackend::Memory { max_memory } => format!("memory (max_memory {})", size(*max_memory)),
         StoreBackend::Embedded { path } => format!("embedded (path {})", path.display()),
         StoreBackend::Redis { url } => format!("redis (url {}, key_prefix {})", masked(url), config.store.key_prefix),
@@ -577,12 +573,22 @@ pub fn describe(config: &Config) -> String {
                 config.store.key_prefix
             )
         }
-    };
+    }
+}
+
+/// The effective routes, one block each, as `idemgate check` prints them,
+/// in the config's own words.
+pub fn describe(config: &Config) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let d = |d: Duration| humantime::format_duration(d).to_string();
+    let names = |v: &[HeaderName]| v.iter().map(|h| h.as_str()).collect::<Vec<_>>().join(", ");
     let _ = writeln!(
         out,
-        "listen {}  upstream {}  store {store}, on_error {}",
+        "listen {}  upstream {}  store {}, on_error {}",
         config.server.listen,
         config.upstream.url,
+        store_summary(config),
         config.store.on_error.name()
     );
     for route in &config.routes {

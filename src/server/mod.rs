@@ -119,6 +119,11 @@ impl Prepared {
 }
 
 impl Reloader {
+    /// `server.shutdown_grace` as this worker has it now.
+    pub fn shutdown_grace(&self) -> std::time::Duration {
+        self.gateway.load().config().server.shutdown_grace
+    }
+
     /// Applies `config` to every request that starts from now on; requests
     /// in flight finish under the configuration they started with. The
     /// listeners and the store stay as they are: changing those needs a
@@ -410,7 +415,7 @@ impl Server {
         let stopping = CancellationToken::new();
         let connections = TaskTracker::new();
         let header_read_timeout = config.server.header_read_timeout;
-        tracing::info!(listen = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), routes = config.routes.len(), "idemgate serving");
+        tracing::debug!(listen = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), routes = config.routes.len(), "accept loop serving");
 
         tokio::pin!(shutdown);
         loop {
@@ -487,7 +492,7 @@ impl Server {
         // health checks and scrapes still answer, `/readyz` with 503.
         let _ = admin_phase.send(admin::Phase::Draining);
         let grace = gateway.load().config().server.shutdown_grace;
-        tracing::info!(?grace, "draining connections and claimed exchanges");
+        tracing::debug!(?grace, "accept loop draining its connections and claimed exchanges");
         // An exchange outlives its connection when the client hung up: wait
         // for those too, so their records are completed.
         exchanges.close();
@@ -498,7 +503,7 @@ impl Server {
             exchanges.wait().await;
         };
         match tokio::time::timeout(grace, drained).await {
-            Ok(()) => tracing::info!("drained"),
+            Ok(()) => tracing::debug!("accept loop drained"),
             Err(_) => {
                 // Dropped with the runtime, requests that may have been sent
                 // on routes that keep such outcomes as unknown would leave
