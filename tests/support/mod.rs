@@ -623,6 +623,14 @@ impl Binary {
         self._config.path()
     }
 
+    /// The process's resident memory, in bytes.
+    pub fn resident_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let line = status.lines().find(|line| line.starts_with("VmRSS:")).unwrap();
+        let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+        kib * 1024
+    }
+
     /// SIGKILL: no cleanup of any kind.
     pub fn kill9(&mut self) {
         let _ = self.child.kill();
