@@ -398,7 +398,10 @@ fn check_output_reads_as_the_config_is_written() {
         forward_key_header = \"X-Req-Id\"\nreplay_drop_headers = [\"x-backend\"]\nkey = { max_length = 64 }\n";
     let described = idemgate::config::describe(&Config::parse(text, "x.toml").unwrap());
     for says in [
-        "store memory (max_memory 64MiB), on_error pass",
+        "store    memory (max_memory 64MiB), on_error pass  timeout 1s",
+        "server   listen 127.0.0.1:8080  admin 127.0.0.1:9901 (records: from this machine only)  tls off",
+        "max_request_body 1MiB  header_read_timeout 10s  shutdown_grace 30s",
+        "upstream http://h:1/  connect_timeout 2s  timeout 30s  idle_timeout 4s  ca (webpki roots)",
         "in_flight wait (wait 10s)",
         "server_error store",
         "upstream_failure unknown",
@@ -411,10 +414,16 @@ fn check_output_reads_as_the_config_is_written() {
     ] {
         assert!(described.contains(says), "{says:?} in {described}");
     }
-    let text = "[upstream]\nurl = \"http://h:1\"\n[store]\npath = \"x.redb\"\n[[route]]\nname = \"a\"\npath = \"/a\"\n";
+    let text = "[server]\nadmin_token = \"t0ken-9f3a\"\nworkers = 3\nshutdown_grace = \"5s\"\n\
+        [upstream]\nurl = \"http://h:1\"\ntimeout = \"3s\"\n[store]\npath = \"x.redb\"\n\
+        [[route]]\nname = \"a\"\npath = \"/a\"\n";
     let described = idemgate::config::describe(&Config::parse(text, "x.toml").unwrap());
+    assert!(!described.contains("t0ken-9f3a"), "{described}");
     for says in [
-        "store embedded (path x.redb), on_error reject",
+        "store    embedded (path x.redb), on_error reject",
+        "admin 127.0.0.1:9901 (records: with the token)  tls off  workers 3",
+        "shutdown_grace 5s",
+        "connect_timeout 1s 500ms (half of timeout)  timeout 3s",
         "body raw",
         "max_response_body 1MiB",
     ] {

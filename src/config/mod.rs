@@ -583,13 +583,55 @@ pub fn describe(config: &Config) -> String {
     let mut out = String::new();
     let d = |d: Duration| humantime::format_duration(d).to_string();
     let names = |v: &[HeaderName]| v.iter().map(|h| h.as_str()).collect::<Vec<_>>().join(", ");
+    let server = &config.server;
+    let admin = match (server.admin_listen, &server.admin_token) {
+        (None, _) => "off".to_owned(),
+        // The token itself is a secret: whether there is one.
+        (Some(addr), Some(_)) => format!("{addr} (records: with the token)"),
+        (Some(addr), None) => format!("{addr} (records: from this machine only)"),
+    };
+    let tls = server.tls.as_ref().map_or_else(
+        || "off".to_owned(),
+        |tls| format!("cert {} key {}", tls.cert.display(), tls.key.display()),
+    );
     let _ = writeln!(
         out,
-        "listen {}  upstream {}  store {}, on_error {}",
-        config.server.listen,
-        config.upstream.url,
+        "server   listen {}  admin {admin}  tls {tls}  workers {}",
+        server.listen, server.workers
+    );
+    let _ = writeln!(
+        out,
+        "         max_request_body {}  header_read_timeout {}  shutdown_grace {}",
+        size(server.max_request_body),
+        d(server.header_read_timeout),
+        d(server.shutdown_grace)
+    );
+    let upstream = &config.upstream;
+    // As the client applies it.
+    let connect = upstream.connect_timeout.min(upstream.timeout / 2);
+    let capped = if connect < upstream.connect_timeout {
+        " (half of timeout)"
+    } else {
+        ""
+    };
+    let _ = writeln!(
+        out,
+        "upstream {}  connect_timeout {}{capped}  timeout {}  idle_timeout {}  ca {}",
+        upstream.url,
+        d(connect),
+        d(upstream.timeout),
+        d(upstream.idle_timeout),
+        upstream.ca.as_ref().map_or_else(
+            || "(webpki roots)".to_owned(),
+            |ca| format!("{} and the webpki roots", ca.display())
+        )
+    );
+    let _ = writeln!(
+        out,
+        "store    {}, on_error {}  timeout {}",
         store_summary(config),
-        config.store.on_error.name()
+        config.store.on_error.name(),
+        d(config.store.timeout)
     );
     for route in &config.routes {
         let p = &route.policy;
