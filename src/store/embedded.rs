@@ -2447,12 +2447,10 @@ mod tests {
         let claim = store.claim(&key, &Fingerprint([1; 32]), owner, Duration::from_secs(30), None);
         assert_eq!(claim.await.unwrap(), Claim::Claimed);
         drop(store);
-        // Once the writer has let go of the file.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while EmbeddedStore::open(&path).is_err() {
-            assert!(Instant::now() < deadline, "the file stayed locked");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        // Once the writer has let go of the file: waited for by redb's
+        // own open, whose drop lets go at once, where a store opened to
+        // see could still write the file from its threads as it is emptied.
+        drop(reopen_db(&path));
 
         fs::write(&path, b"").unwrap();
         let Err(refused) = EmbeddedStore::open(&path) else {
@@ -2788,13 +2786,19 @@ mod tests {
         tokio::time::sleep(CHECKPOINT_EVERY + Duration::from_millis(50)).await;
         put(1).await;
         tokio::time::sleep(CHECKPOINT_EVERY + Duration::from_millis(50)).await;
-        let mut answered = 2;
-        while tokio::time::timeout(Duration::from_millis(500), put(answered))
-            .await
-            .is_ok()
-        {
-            answered += 1;
-            assert!(answered < 100, "the writer never waited");
+        // Waiting, as the writer's own test of it reads: a checkpoint not
+        // landed, and the overlay past its limit. (Not a put that takes
+        // long: on a loaded machine a sync may, and the writer then goes
+        // on answering.)
+        let waits = || {
+            let overlay = lock(&store.shared.overlay);
+            !overlay.frozen.is_empty() && overlay.active_bytes >= OVERLAY_LIMIT
+        };
+        let mut next = 2;
+        while !waits() {
+            let _ = tokio::time::timeout(Duration::from_millis(500), put(next)).await;
+            next += 1;
+            assert!(next < 100, "the writer never waited");
         }
         blocker
     }
