@@ -1013,6 +1013,67 @@ async fn redis_cluster_scripts_reach_a_node_without_them_while_another_is_down()
     ));
 }
 
+/// A primary that stops answering without closing its connections (a hung
+/// process, a paused machine) and is failed over to its replica: claims of
+/// its slots go to the new primary within seconds, though the client
+/// learns a new slot map only from an error or a redirect, which the
+/// stopped node never gives. They got 503 until it came back.
+#[tokio::test]
+async fn redis_cluster_claims_follow_a_failover_away_from_a_node_that_stopped_answering() {
+    let cluster = support::redis::RedisCluster::start();
+    let replica = cluster.add_replica_of(0);
+    let timeout = Duration::from_millis(500);
+    let store = RedisStore::cluster(&cluster.urls(), "idemgate", timeout).unwrap();
+    // Keys on every node, the stopped one's among them.
+    let keys: Vec<RecordKey> = (0..24).map(|_| key()).collect();
+    for k in &keys {
+        assert!(matches!(
+            store.claim(k, &A, Owner::new(), LONG, None).await.unwrap(),
+            Claim::Claimed
+        ));
+    }
+    cluster.nodes[0].pause();
+    let _resume = Resume(&cluster.nodes[0]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !replica.cli(&["role"]).is_some_and(|role| role.starts_with("master")) {
+        assert!(Instant::now() < deadline, "the replica never took over");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Fresh keys, until every one is claimed in a round; then every
+    // earlier claim is found.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut failed = 0;
+        for _ in 0..24 {
+            if store.claim(&key(), &A, Owner::new(), LONG, None).await.is_err() {
+                failed += 1;
+            }
+        }
+        if failed == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{failed} of 24 claims still failing 10 s after the failover"
+        );
+    }
+    for k in &keys {
+        assert!(matches!(
+            store.claim(k, &A, Owner::new(), LONG, None).await.unwrap(),
+            Claim::InFlight { .. }
+        ));
+    }
+}
+
+/// Resumes a paused server when dropped, as a failed assertion unwinds.
+struct Resume<'a>(&'a support::redis::RedisServer);
+
+impl Drop for Resume<'_> {
+    fn drop(&mut self) {
+        self.0.resume();
+    }
+}
+
 /// A write Redis refuses (here a TTL it cannot take) fails that completion
 /// alone, not the others sent with it.
 #[tokio::test]

@@ -257,9 +257,10 @@ impl ClaimGuard {
             Ok(true) => {}
             Ok(false) => {
                 // Looked into off the client's way: the store is asked again.
-                let (store, key, fingerprint) = (self.context.store.clone(), self.key, self.fingerprint);
+                let (store, key, fingerprint, owner) =
+                    (self.context.store.clone(), self.key, self.fingerprint, self.owner);
                 self.context.exchanges.spawn(async move {
-                    lost(&store, &key, &fingerprint, &outcome).await;
+                    lost(&store, &key, &fingerprint, owner, &outcome, ttl).await;
                 });
             }
             // Releasing could let a retry run the request twice, and so could
@@ -369,7 +370,7 @@ async fn retry_completion(
         match store.complete(&key, &fingerprint, owner, outcome.clone(), ttl).await {
             Ok(true) => return tracing::info!(key = %key.tag(), "record completed on a retry"),
             Ok(false) => {
-                lost(&store, &key, &fingerprint, &outcome).await;
+                lost(&store, &key, &fingerprint, owner, &outcome, ttl).await;
                 return;
             }
             Err(error) if Instant::now() >= give_up => {
@@ -397,7 +398,21 @@ const LOST_LOOK_PAUSE: Duration = Duration::from_millis(100);
 /// A store that fails the look (the connection that lost the completion's
 /// answer may be failing still) is asked again a few times, and if it
 /// never answers that is what is said: not a lost lease it cannot tell.
-async fn lost(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, outcome: &Outcome) -> bool {
+///
+/// A key that holds nothing by then had its record go from the store
+/// after the completion was refused: a Redis primary that took the first
+/// completion while it was cut off, then was failed over and dropped it,
+/// or an operator's purge. The answer the client got is written again, as
+/// a completion writes where no record is, so a retry replays it instead
+/// of running the request a second time.
+async fn lost(
+    store: &StoreHandle,
+    key: &RecordKey,
+    fingerprint: &Fingerprint,
+    owner: Owner,
+    outcome: &Outcome,
+    ttl: Duration,
+) -> bool {
     let mut found = store.inspect_sized(key, outcome.size()).await;
     for _ in 0..LOST_LOOKS {
         // A record that cannot be read reads so again.
@@ -418,6 +433,28 @@ async fn lost(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, o
             return false;
         }
     };
+    if found.is_none() {
+        match store.complete(key, fingerprint, owner, outcome.clone(), ttl).await {
+            Ok(true) => {
+                tracing::warn!(
+                    key = %key.tag(),
+                    "the claim was gone, and so was any record (the store lost it, as in a failover, or it was \
+                     purged): written again with this answer"
+                );
+                return true;
+            }
+            Ok(false) => {}
+            Err(error) => {
+                tracing::warn!(
+                    key = %key.tag(),
+                    error = %error_chain(&error),
+                    "the claim was gone, and so was any record (the store lost it, as in a failover, or it was \
+                     purged): writing it again with this answer failed"
+                );
+                return false;
+            }
+        }
+    }
     let landed = matches!(
         found,
         Some((Record::Completed { fingerprint: found, outcome: kept }, _))
@@ -1016,9 +1053,18 @@ mod tests {
             let body = Bytes::from_static(body.as_bytes());
             Outcome::Response(Arc::new(StoredResponse::new(StatusCode::CREATED, &[], &[body])))
         };
-        assert!(!lost(&store, &key, &fingerprint, &answer("a")).await, "no record");
+        let lost = |fingerprint: Fingerprint, outcome: Outcome| {
+            let store = store.clone();
+            async move { lost(&store, &key, &fingerprint, owner, &outcome, ttl).await }
+        };
+        store.claim(&key, &fingerprint, Owner(8), lease, None).await.unwrap();
+        assert!(!lost(fingerprint, answer("a")).await, "another's claim");
+        assert!(matches!(
+            store.inspect(&key).await.unwrap(),
+            Some((Record::InFlight { .. }, _))
+        ));
+        store.release(&key, Owner(8)).await.unwrap();
         store.claim(&key, &fingerprint, owner, lease, None).await.unwrap();
-        assert!(!lost(&store, &key, &fingerprint, &answer("a")).await, "in flight");
         assert!(
             store
                 .complete(&key, &fingerprint, owner, answer("a"), ttl)
@@ -1032,11 +1078,30 @@ mod tests {
                 .await
                 .unwrap()
         );
-        assert!(lost(&store, &key, &fingerprint, &answer("a")).await);
-        assert!(!lost(&store, &key, &fingerprint, &answer("b")).await, "another answer");
+        assert!(lost(fingerprint, answer("a")).await);
+        assert!(!lost(fingerprint, answer("b")).await, "another answer");
+        assert!(!lost(Fingerprint([3; 32]), answer("a")).await, "another request");
+    }
+
+    /// A completion refused, then a key found holding nothing (a Redis
+    /// primary failed over, which dropped the record it had just taken;
+    /// a purge): the answer the client got is written again, and a retry
+    /// replays it.
+    #[tokio::test]
+    async fn a_record_gone_from_the_store_is_written_again_with_the_answer() {
+        let store = StoreHandle::memory(MemoryStore::new(1 << 20), Duration::from_secs(1));
+        let (key, fingerprint, owner) = (RecordKey([1; 32]), Fingerprint([2; 32]), Owner(7));
+        let ttl = Duration::from_secs(60);
+        let answer = Outcome::Response(Arc::new(StoredResponse::new(
+            StatusCode::CREATED,
+            &[],
+            &[Bytes::from_static(b"a")],
+        )));
+        assert!(lost(&store, &key, &fingerprint, owner, &answer, ttl).await);
+        let found = store.inspect(&key).await.unwrap();
         assert!(
-            !lost(&store, &key, &Fingerprint([3; 32]), &answer("a")).await,
-            "another request"
+            matches!(&found, Some((Record::Completed { fingerprint: f, outcome }, _)) if *f == fingerprint && *outcome == answer),
+            "{found:?}"
         );
     }
 
@@ -1129,7 +1194,7 @@ mod tests {
                     .unwrap()
             );
             assert_eq!(
-                lost(&handle, &key, &fingerprint, &answer).await,
+                lost(&handle, &key, &fingerprint, owner, &answer, ttl).await,
                 found,
                 "{failures} failures"
             );

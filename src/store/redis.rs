@@ -36,7 +36,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::ThreadId;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -44,7 +44,7 @@ use futures_util::StreamExt;
 use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
 use socket2::TcpKeepalive;
-use tokio::sync::{OnceCell, oneshot};
+use tokio::sync::oneshot;
 
 use super::codec::{self, Decoded};
 use super::resp;
@@ -421,13 +421,22 @@ enum Connection {
 struct RedirectTo {
     info: redis::ConnectionInfo,
     config: redis::AsyncConnectionConfig,
+    /// The store's timeout, for a call's answer.
+    timeout: Duration,
 }
 
 /// A thread's cluster connection, made on first use. A connect that fails
 /// backs off as a single server's does ([`resp::Backoff`]): calls meanwhile
 /// fail at once, as not sent, instead of each trying the nodes again.
 struct ClusterSlot {
-    connection: OnceCell<ClusterConnection>,
+    client: redis::cluster::ClusterClient,
+    /// The connection, once made; replaced by [`ClusterSlot::remap`].
+    connection: Mutex<Option<ClusterConnection>>,
+    /// Held while the first connection is made: the thread's other calls
+    /// wait for it instead of each connecting.
+    connecting: tokio::sync::Mutex<()>,
+    /// When a call that went unanswered last had the connection made anew.
+    remapped: Mutex<Option<Instant>>,
     backoff: Mutex<resp::Backoff>,
     redirect_to: Arc<RedirectTo>,
     /// A connection of the thread's own to each node a redirect has
@@ -435,14 +444,63 @@ struct ClusterSlot {
     redirects: Mutex<HashMap<(String, u16), redis::aio::MultiplexedConnection>>,
 }
 
+/// How often, at most, a thread's cluster connection is made anew for
+/// calls that go unanswered (see [`ClusterSlot::remap`]).
+const REMAP_EVERY: Duration = Duration::from_secs(1);
+
 impl ClusterSlot {
-    fn new(redirect_to: Arc<RedirectTo>) -> ClusterSlot {
+    fn new(client: redis::cluster::ClusterClient, redirect_to: Arc<RedirectTo>) -> ClusterSlot {
         ClusterSlot {
-            connection: OnceCell::new(),
+            client,
+            connection: Mutex::default(),
+            connecting: tokio::sync::Mutex::default(),
+            remapped: Mutex::default(),
             backoff: Mutex::default(),
             redirect_to,
             redirects: Mutex::default(),
         }
+    }
+
+    /// The thread's connection, made if there is none yet.
+    async fn get(&self) -> Result<ClusterConnection, StoreError> {
+        if let Some(connection) = lock(&self.connection).clone() {
+            return Ok(connection);
+        }
+        let _connecting = self.connecting.lock().await;
+        if let Some(connection) = lock(&self.connection).clone() {
+            return Ok(connection);
+        }
+        let connection = self.connect().await?;
+        *lock(&self.connection) = Some(connection.clone());
+        Ok(connection)
+    }
+
+    /// After a call went unanswered for its timeout: its node may have
+    /// stopped (a hung process, a paused VM), and the cluster may have
+    /// failed it over to its replica since; but the client learns a new
+    /// slot map only from an error or a redirect, which a node that does
+    /// not answer never gives, so it would send that node's slots to it
+    /// until it came back. A connection made anew reads the map afresh
+    /// from the nodes that answer. It is made in the background, at most
+    /// once every [`REMAP_EVERY`], while calls go on over the old one.
+    fn remap(self: &Arc<Self>) {
+        {
+            let mut remapped = lock(&self.remapped);
+            if remapped.is_some_and(|at| at.elapsed() < REMAP_EVERY) {
+                return;
+            }
+            *remapped = Some(Instant::now());
+        }
+        let slot = self.clone();
+        tokio::spawn(async move {
+            match slot.client.get_async_connection().await {
+                Ok(connection) => {
+                    tracing::debug!("Redis Cluster connection made anew after a call went unanswered");
+                    *lock(&slot.connection) = Some(connection);
+                }
+                Err(error) => tracing::debug!(%error, "the Redis Cluster connection could not be made anew"),
+            }
+        });
     }
 
     /// This thread's connection to the node at `host:port`.
@@ -463,11 +521,11 @@ impl ClusterSlot {
         Ok(connection)
     }
 
-    async fn connect(&self, client: &redis::cluster::ClusterClient) -> Result<ClusterConnection, StoreError> {
+    async fn connect(&self) -> Result<ClusterConnection, StoreError> {
         if let Some(why) = lock(&self.backoff).waiting() {
             return Err(StoreError::NotSent(why.into()));
         }
-        match client.get_async_connection().await {
+        match self.client.get_async_connection().await {
             Ok(connection) => {
                 *lock(&self.backoff) = resp::Backoff::default();
                 Ok(connection)
@@ -493,6 +551,13 @@ impl Conn {
         match self {
             Conn::Single(connection) => connection.query(command).await,
             Conn::Cluster(connection, slot) => {
+                // A call given up on (its timeout, or the store's) that
+                // had waited for half its timeout: its node may be gone.
+                let mut unanswered = Unanswered {
+                    slot,
+                    since: Instant::now(),
+                    answered: false,
+                };
                 let mut retries = 0;
                 let mut redirect = None;
                 loop {
@@ -505,7 +570,11 @@ impl Conn {
                     // command (a claim, a completion) may yet run.
                     let error = match &result {
                         Err(error) if retries < CLUSTER_RETRIES && !error.is_timeout() => error,
-                        _ => return result,
+                        Err(error) if error.is_timeout() => return result,
+                        _ => {
+                            unanswered.answered = true;
+                            return result;
+                        }
                     };
                     retries += 1;
                     redirect = None;
@@ -523,6 +592,22 @@ impl Conn {
                     }
                 }
             }
+        }
+    }
+}
+
+/// Has the thread's cluster connection made anew ([`ClusterSlot::remap`])
+/// when dropped unanswered, after half the call's timeout.
+struct Unanswered<'a> {
+    slot: &'a Arc<ClusterSlot>,
+    since: Instant,
+    answered: bool,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if !self.answered && self.since.elapsed() >= self.slot.redirect_to.timeout / 2 {
+            self.slot.remap();
         }
     }
 }
@@ -823,6 +908,7 @@ impl RedisStore {
             config: redis::AsyncConnectionConfig::new()
                 .set_connection_timeout(Some(timeout))
                 .set_response_timeout(Some(timeout)),
+            timeout,
         });
         let connection = Connection::Cluster {
             client: Box::new(client),
@@ -872,10 +958,10 @@ impl RedisStore {
                 redirect_to,
             } => {
                 let slot = connections
-                    .get_or(|| Ok(Arc::new(ClusterSlot::new(redirect_to.clone()))))
+                    .get_or(|| Ok(Arc::new(ClusterSlot::new((**client).clone(), redirect_to.clone()))))
                     .map_err(unavailable)?;
-                let connection = slot.connection.get_or_try_init(|| slot.connect(client)).await?;
-                Ok(Conn::Cluster(connection.clone(), slot))
+                let connection = slot.get().await?;
+                Ok(Conn::Cluster(connection, slot))
             }
         }
     }

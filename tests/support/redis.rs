@@ -137,6 +137,22 @@ impl RedisServer {
         });
     }
 
+    /// Stops the process (SIGSTOP), as a hung one or a paused machine:
+    /// its port still takes connections, and nothing answers.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a paused process go on (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, name: &str) {
+        let pid = self.child.as_ref().expect("running").id().to_string();
+        assert!(Command::new("kill").args([name, &pid]).status().unwrap().success());
+    }
+
     /// SIGKILLs the process.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -205,6 +221,44 @@ impl RedisCluster {
             });
         }
         RedisCluster { nodes }
+    }
+
+    /// A replica of `nodes[index]`, joined to the cluster and in sync.
+    pub fn add_replica_of(&self, index: usize) -> RedisServer {
+        let primary = &self.nodes[index];
+        let port = free_port(true);
+        let config_file = format!("nodes-{port}.conf");
+        let replica = RedisServer::start_with(
+            port,
+            &[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                &config_file,
+                "--cluster-node-timeout",
+                "2000",
+            ],
+        );
+        let id = primary.cli(&["cluster", "myid"]).unwrap().trim().to_owned();
+        replica
+            .cli(&["cluster", "meet", "127.0.0.1", &primary.port.to_string()])
+            .unwrap();
+        wait_until("the replica to meet the cluster", || {
+            replica
+                .cli(&["cluster", "nodes"])
+                .is_some_and(|nodes| nodes.contains(&id))
+        });
+        wait_until("the replica to replicate", || {
+            replica
+                .cli(&["cluster", "replicate", &id])
+                .is_some_and(|o| o.contains("OK"))
+        });
+        wait_until("the replica to be in sync", || {
+            replica
+                .cli(&["info", "replication"])
+                .is_some_and(|i| i.contains("master_link_status:up"))
+        });
+        replica
     }
 
     pub fn urls(&self) -> Vec<String> {
