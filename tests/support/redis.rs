@@ -173,6 +173,23 @@ impl Drop for RedisServer {
     }
 }
 
+/// A node in cluster mode that fails a peer over after 2 s of silence,
+/// with these extra `redis-server` arguments.
+fn cluster_node(extra: &[&str]) -> RedisServer {
+    let port = free_port(true);
+    let config_file = format!("nodes-{port}.conf");
+    let mut args = vec![
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        &config_file,
+        "--cluster-node-timeout",
+        "2000",
+    ];
+    args.extend_from_slice(extra);
+    RedisServer::start_with(port, &args)
+}
+
 /// Three masters, no replicas, all slots covered.
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
@@ -185,22 +202,7 @@ impl RedisCluster {
 
     /// A cluster whose nodes get these extra `redis-server` arguments.
     pub fn start_with_args(extra: &[&str]) -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..3)
-            .map(|_| {
-                let port = free_port(true);
-                let config_file = format!("nodes-{port}.conf");
-                let mut args = vec![
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    &config_file,
-                    "--cluster-node-timeout",
-                    "2000",
-                ];
-                args.extend_from_slice(extra);
-                RedisServer::start_with(port, &args)
-            })
-            .collect();
+        let nodes: Vec<RedisServer> = (0..3).map(|_| cluster_node(extra)).collect();
         let addresses: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
         let output = Command::new("redis-cli")
             .arg("--cluster")
@@ -226,19 +228,7 @@ impl RedisCluster {
     /// A replica of `nodes[index]`, joined to the cluster and in sync.
     pub fn add_replica_of(&self, index: usize) -> RedisServer {
         let primary = &self.nodes[index];
-        let port = free_port(true);
-        let config_file = format!("nodes-{port}.conf");
-        let replica = RedisServer::start_with(
-            port,
-            &[
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                &config_file,
-                "--cluster-node-timeout",
-                "2000",
-            ],
-        );
+        let replica = cluster_node(&[]);
         let id = primary.cli(&["cluster", "myid"]).unwrap().trim().to_owned();
         replica
             .cli(&["cluster", "meet", "127.0.0.1", &primary.port.to_string()])
