@@ -402,7 +402,8 @@ const LOST_LOOK_PAUSE: Duration = Duration::from_millis(100);
 /// A key that holds nothing by then had its record go from the store
 /// after the completion was refused: a Redis primary that took the first
 /// completion while it was cut off, then was failed over and dropped it,
-/// or an operator's purge. The answer the client got is written again, as
+/// an operator's purge, or another request whose claim it was released
+/// it after its own failure. The answer the client got is written again, as
 /// a completion writes where no record is, so a retry replays it instead
 /// of running the request a second time.
 async fn lost(
@@ -434,13 +435,21 @@ async fn lost(
         }
     };
     if found.is_none() {
-        match store.complete(key, fingerprint, owner, outcome.clone(), ttl).await {
+        // As the look, tried again while the store fails: in a failover
+        // it may still be settling.
+        let mut written = store.complete(key, fingerprint, owner, outcome.clone(), ttl).await;
+        for _ in 0..LOST_LOOKS {
+            if written.is_ok() {
+                break;
+            }
+            tokio::time::sleep(LOST_LOOK_PAUSE).await;
+            written = store.complete(key, fingerprint, owner, outcome.clone(), ttl).await;
+        }
+        const GONE: &str = "the claim was gone, and so was any record (another request's claim released, a \
+                            purge, or a store that lost it, as in a failover)";
+        match written {
             Ok(true) => {
-                tracing::warn!(
-                    key = %key.tag(),
-                    "the claim was gone, and so was any record (the store lost it, as in a failover, or it was \
-                     purged): written again with this answer"
-                );
+                tracing::warn!(key = %key.tag(), "{GONE}: written again with this answer");
                 return true;
             }
             Ok(false) => {}
@@ -448,8 +457,7 @@ async fn lost(
                 tracing::warn!(
                     key = %key.tag(),
                     error = %error_chain(&error),
-                    "the claim was gone, and so was any record (the store lost it, as in a failover, or it was \
-                     purged): writing it again with this answer failed"
+                    "{GONE}: writing it again with this answer failed"
                 );
                 return false;
             }

@@ -32,7 +32,7 @@
 //! completes (`redis.pcall`); its waiters re-check twice a second.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::ThreadId;
@@ -356,6 +356,7 @@ if string.byte(v, 2) ~= 0 then return 1 end
 
 /// A Lua script: run by its SHA-1 (`EVALSHA`), and sent whole (`EVAL`,
 /// which also caches it) to a server that does not have it yet.
+#[derive(Clone)]
 struct Lua {
     hash: String,
     text: String,
@@ -435,8 +436,11 @@ struct ClusterSlot {
     /// Held while the first connection is made: the thread's other calls
     /// wait for it instead of each connecting.
     connecting: tokio::sync::Mutex<()>,
-    /// When a call that went unanswered last had the connection made anew.
-    remapped: Mutex<Option<Instant>>,
+    /// How [`ClusterSlot::remap`] stands.
+    remap: Mutex<Remap>,
+    /// The connections remaps replaced, newest last, each with when: a
+    /// release goes over them too (see [`RedisStore::release`]).
+    replaced: Mutex<VecDeque<(Instant, ClusterConnection)>>,
     backoff: Mutex<resp::Backoff>,
     redirect_to: Arc<RedirectTo>,
     /// A connection of the thread's own to each node a redirect has
@@ -445,8 +449,22 @@ struct ClusterSlot {
 }
 
 /// How often, at most, a thread's cluster connection is made anew for
-/// calls that go unanswered (see [`ClusterSlot::remap`]).
+/// calls that go unanswered (see [`ClusterSlot::remap`]), counted from
+/// when the last was made.
 const REMAP_EVERY: Duration = Duration::from_secs(1);
+
+/// How long a connection a remap replaced still takes releases, and how
+/// many are kept (see [`RedisStore::release`]).
+const REPLACED_KEEP: Duration = Duration::from_secs(10);
+const REPLACED_MOST: usize = 4;
+
+#[derive(Default)]
+struct Remap {
+    /// One is being made: no other starts meanwhile.
+    making: bool,
+    /// When the last was made (or failed).
+    done: Option<Instant>,
+}
 
 impl ClusterSlot {
     fn new(client: redis::cluster::ClusterClient, redirect_to: Arc<RedirectTo>) -> ClusterSlot {
@@ -454,7 +472,8 @@ impl ClusterSlot {
             client,
             connection: Mutex::default(),
             connecting: tokio::sync::Mutex::default(),
-            remapped: Mutex::default(),
+            remap: Mutex::default(),
+            replaced: Mutex::default(),
             backoff: Mutex::default(),
             redirect_to,
             redirects: Mutex::default(),
@@ -481,26 +500,53 @@ impl ClusterSlot {
     /// slot map only from an error or a redirect, which a node that does
     /// not answer never gives, so it would send that node's slots to it
     /// until it came back. A connection made anew reads the map afresh
-    /// from the nodes that answer. It is made in the background, at most
-    /// once every [`REMAP_EVERY`], while calls go on over the old one.
+    /// from a node that answers. It is made in the background, one at a
+    /// time and at most once every [`REMAP_EVERY`], while calls go on over
+    /// the old one, which is kept a while for releases.
     fn remap(self: &Arc<Self>) {
         {
-            let mut remapped = lock(&self.remapped);
-            if remapped.is_some_and(|at| at.elapsed() < REMAP_EVERY) {
+            let mut remap = lock(&self.remap);
+            if remap.making || remap.done.is_some_and(|at| at.elapsed() < REMAP_EVERY) {
                 return;
             }
-            *remapped = Some(Instant::now());
+            remap.making = true;
         }
+        // Without a runtime (the process is ending) there is nothing to
+        // make it for.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            lock(&self.remap).making = false;
+            return;
+        };
         let slot = self.clone();
-        tokio::spawn(async move {
-            match slot.client.get_async_connection().await {
+        runtime.spawn(async move {
+            let made = slot.client.get_async_connection().await;
+            *lock(&slot.remap) = Remap {
+                making: false,
+                done: Some(Instant::now()),
+            };
+            match made {
                 Ok(connection) => {
                     tracing::debug!("Redis Cluster connection made anew after a call went unanswered");
-                    *lock(&slot.connection) = Some(connection);
+                    let old = lock(&slot.connection).replace(connection);
+                    let mut replaced = lock(&slot.replaced);
+                    replaced.extend(old.map(|old| (Instant::now(), old)));
+                    while replaced.len() > REPLACED_MOST {
+                        replaced.pop_front();
+                    }
                 }
                 Err(error) => tracing::debug!(%error, "the Redis Cluster connection could not be made anew"),
             }
         });
+    }
+
+    /// The connections remaps replaced within [`REPLACED_KEEP`]; older
+    /// ones are let go.
+    fn replaced(&self) -> Vec<ClusterConnection> {
+        let mut replaced = lock(&self.replaced);
+        while replaced.front().is_some_and(|(at, _)| at.elapsed() >= REPLACED_KEEP) {
+            replaced.pop_front();
+        }
+        replaced.iter().map(|(_, connection)| connection.clone()).collect()
     }
 
     /// This thread's connection to the node at `host:port`.
@@ -565,16 +611,13 @@ impl Conn {
                         None => command.query_async(connection).await,
                         Some(to) => follow(slot, command, to).await,
                     };
+                    unanswered.answered = !matches!(&result, Err(error) if error.is_timeout());
                     // As redis-rs retried (see `RedisStore::cluster`), but
                     // for a timeout: its own covered all its tries, and the
                     // command (a claim, a completion) may yet run.
                     let error = match &result {
                         Err(error) if retries < CLUSTER_RETRIES && !error.is_timeout() => error,
-                        Err(error) if error.is_timeout() => return result,
-                        _ => {
-                            unanswered.answered = true;
-                            return result;
-                        }
+                        _ => return result,
                     };
                     retries += 1;
                     redirect = None;
@@ -844,6 +887,7 @@ impl KeyPrefix {
 
 /// The Redis key of a record, `<prefix>:{<sha-256 hex>}`, built without
 /// allocating.
+#[derive(Clone)]
 struct RedisKey {
     buf: [u8; RedisKey::MAX],
     len: usize,
@@ -1231,6 +1275,38 @@ impl RedisStore {
 
     /// Runs `script` if `owner` holds the claim on `key`; `args` follow the
     /// owner token.
+    /// A release goes behind the claim it undoes on the same connection
+    /// (see `StoreHandle::see_through`), so a node that was slow reads the
+    /// claim first. A claim may have gone over a cluster connection that a
+    /// remap has since replaced ([`ClusterSlot::remap`]): the release is
+    /// also sent over each of those, in the background, answered or not
+    /// (it only ever removes this owner's claim).
+    fn release_behind_replaced(&self, key: &RecordKey, owner: Owner) {
+        let Connection::Cluster { connections, .. } = &self.connection else {
+            return;
+        };
+        let Ok(slot) = connections.get_or(|| Err(RedisError::from((redis::ErrorKind::Client, "none yet")))) else {
+            return;
+        };
+        let replaced = slot.replaced();
+        if replaced.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let script = self.scripts.release.clone();
+        let (redis_key, token) = (self.redis_key(key), codec::owner_bytes(owner));
+        for connection in replaced {
+            let (slot, script, redis_key) = (slot.clone(), script.clone(), redis_key.clone());
+            runtime.spawn(async move {
+                let mut connection = Conn::Cluster(connection, slot);
+                let _: Result<Option<i64>, _> =
+                    Self::eval_with(&mut connection, &script, &[redis_key.as_bytes()], &[&token]).await;
+            });
+        }
+    }
+
     async fn owned(&self, script: &Lua, key: &RecordKey, owner: Owner, args: &[&[u8]]) -> Result<bool, StoreError> {
         let token = codec::owner_bytes(owner);
         let mut all: [&[u8]; 3] = [&token, &[], &[]];
@@ -1332,6 +1408,7 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
+        self.release_behind_replaced(key, owner);
         self.owned(&self.scripts.release, key, owner, &[]).await
     }
 
