@@ -1032,6 +1032,22 @@ async fn redis_cluster_claims_follow_a_failover_away_from_a_node_that_stopped_an
             Claim::Claimed
         ));
     }
+    // Replication is asynchronous: a claim the replica has not copied is
+    // lost in the failover, as Redis documents. Copied first.
+    let offset = |server: &support::redis::RedisServer| {
+        let info = server.cli(&["info", "replication"]).unwrap();
+        let line = info.lines().find(|l| l.starts_with("master_repl_offset:")).unwrap();
+        line.trim_start_matches("master_repl_offset:")
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+    };
+    let written = offset(&cluster.nodes[0]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while offset(&replica) < written {
+        assert!(Instant::now() < deadline, "the replica never caught up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     cluster.nodes[0].pause();
     let _resume = Resume(&cluster.nodes[0]);
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -1063,6 +1079,55 @@ async fn redis_cluster_claims_follow_a_failover_away_from_a_node_that_stopped_an
             Claim::InFlight { .. }
         ));
     }
+}
+
+/// A primary that stops answering with no replica to take over: the
+/// cluster's nodes still say it serves its slots, so its calls time out
+/// on the connection made before, and nothing is made anew. A connection
+/// made anew would have no link to it, and try to connect again for each
+/// call to its slots: under load, dozens of connections a second.
+#[tokio::test]
+async fn redis_cluster_calls_to_a_node_that_stopped_answering_open_no_new_connections() {
+    let cluster = support::redis::RedisCluster::start();
+    let timeout = Duration::from_millis(300);
+    let store = RedisStore::cluster(&cluster.urls(), "idemgate", timeout).unwrap();
+    for _ in 0..24 {
+        store.claim(&key(), &A, Owner::new(), LONG, None).await.unwrap();
+    }
+    let stopped = cluster.nodes[0].port;
+    // Sockets of this machine to the stopped node, in any state.
+    let sockets = || {
+        let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+        let port = format!(":{stopped:04X} ");
+        table
+            .lines()
+            .skip(1)
+            .filter(|line| {
+                line.split_whitespace()
+                    .nth(2)
+                    .is_some_and(|remote| format!("{remote} ").contains(&port))
+            })
+            .count()
+    };
+    cluster.nodes[0].pause();
+    let _resume = Resume(&cluster.nodes[0]);
+    let before = sockets();
+    let mut failed = 0;
+    for _ in 0..10 {
+        let keys: Vec<RecordKey> = (0..24).map(|_| key()).collect();
+        let claims = keys.iter().map(|k| store.claim(k, &A, Owner::new(), LONG, None));
+        failed += futures_util::future::join_all(claims)
+            .await
+            .iter()
+            .filter(|c| c.is_err())
+            .count();
+    }
+    assert!(failed > 0, "no claim reached the stopped node");
+    let after = sockets();
+    assert!(
+        after <= before + 4,
+        "{before} sockets to the stopped node before, {after} after {failed} calls to it"
+    );
 }
 
 /// Resumes a paused server when dropped, as a failed assertion unwinds.

@@ -424,6 +424,44 @@ struct RedirectTo {
     config: redis::AsyncConnectionConfig,
     /// The store's timeout, for a call's answer.
     timeout: Duration,
+    /// The addresses of the cluster's URLs, asked which node serves which
+    /// slots (see [`ClusterSlot::remap`]).
+    seeds: Vec<(String, u16)>,
+}
+
+/// Which node serves each range of slots, as `CLUSTER SLOTS` answers:
+/// first slot, last slot and the primary's address, in order.
+type SlotOwners = Vec<(i64, i64, String, i64)>;
+
+/// [`SlotOwners`] from a `CLUSTER SLOTS` answer.
+fn slot_owners(answer: &redis::Value) -> Option<SlotOwners> {
+    let redis::Value::Array(ranges) = answer else {
+        return None;
+    };
+    let text = |value: &redis::Value| match value {
+        redis::Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+        redis::Value::SimpleString(text) => Some(text.clone()),
+        _ => None,
+    };
+    let mut owners = ranges
+        .iter()
+        .map(|range| {
+            let redis::Value::Array(range) = range else {
+                return None;
+            };
+            let (Some(redis::Value::Int(first)), Some(redis::Value::Int(last)), Some(redis::Value::Array(primary))) =
+                (range.first(), range.get(1), range.get(2))
+            else {
+                return None;
+            };
+            let (Some(host), Some(redis::Value::Int(port))) = (primary.first().and_then(text), primary.get(1)) else {
+                return None;
+            };
+            Some((*first, *last, host, *port))
+        })
+        .collect::<Option<SlotOwners>>()?;
+    owners.sort_unstable();
+    Some(owners)
 }
 
 /// A thread's cluster connection, made on first use. A connect that fails
@@ -438,6 +476,9 @@ struct ClusterSlot {
     connecting: tokio::sync::Mutex<()>,
     /// How [`ClusterSlot::remap`] stands.
     remap: Mutex<Remap>,
+    /// Which node served which slots when the connection was made (or
+    /// last made anew).
+    owners: Mutex<Option<SlotOwners>>,
     /// The connections remaps replaced, newest last, each with when: a
     /// release goes over them too (see [`RedisStore::release`]).
     replaced: Mutex<VecDeque<(Instant, ClusterConnection)>>,
@@ -473,6 +514,7 @@ impl ClusterSlot {
             connection: Mutex::default(),
             connecting: tokio::sync::Mutex::default(),
             remap: Mutex::default(),
+            owners: Mutex::default(),
             replaced: Mutex::default(),
             backoff: Mutex::default(),
             redirect_to,
@@ -481,7 +523,7 @@ impl ClusterSlot {
     }
 
     /// The thread's connection, made if there is none yet.
-    async fn get(&self) -> Result<ClusterConnection, StoreError> {
+    async fn get(self: &Arc<Self>) -> Result<ClusterConnection, StoreError> {
         if let Some(connection) = lock(&self.connection).clone() {
             return Ok(connection);
         }
@@ -491,7 +533,38 @@ impl ClusterSlot {
         }
         let connection = self.connect().await?;
         *lock(&self.connection) = Some(connection.clone());
+        // Which node serves which slots now, to tell a failover by later.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let slot = self.clone();
+            runtime.spawn(async move {
+                let owners = slot.ask_owners().await;
+                lock(&slot.owners).get_or_insert_with(|| owners.unwrap_or_default());
+            });
+        }
         Ok(connection)
+    }
+
+    /// Which node serves which slots, from the first of the cluster's URLs
+    /// that answers; `None` if none does.
+    async fn ask_owners(&self) -> Option<SlotOwners> {
+        for (host, port) in &self.redirect_to.seeds {
+            let Ok(mut connection) = self.redirect(host, *port).await else {
+                continue;
+            };
+            let answer = redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut connection).await;
+            match answer {
+                Ok(answer) => {
+                    if let Some(owners) = slot_owners(&answer) {
+                        return Some(owners);
+                    }
+                }
+                Err(error) if error.is_io_error() || error.is_connection_dropped() || error.is_timeout() => {
+                    lock(&self.redirects).remove(&(host.clone(), *port));
+                }
+                Err(_) => {}
+            }
+        }
+        None
     }
 
     /// After a call went unanswered for its timeout: its node may have
@@ -499,10 +572,14 @@ impl ClusterSlot {
     /// failed it over to its replica since; but the client learns a new
     /// slot map only from an error or a redirect, which a node that does
     /// not answer never gives, so it would send that node's slots to it
-    /// until it came back. A connection made anew reads the map afresh
-    /// from a node that answers. It is made in the background, one at a
-    /// time and at most once every [`REMAP_EVERY`], while calls go on over
-    /// the old one, which is kept a while for releases.
+    /// until it came back. So the cluster's URLs are asked which node
+    /// serves which slots, and if that has changed since the connection
+    /// was made (a failover, a slot moved), a connection made anew reads
+    /// the map afresh. Not otherwise: one made while a node hangs has no
+    /// link to it, and would try to connect again for each call to its
+    /// slots. All in the background, one at a time and at most once every
+    /// [`REMAP_EVERY`], while calls go on over the old connection, which
+    /// is kept a while for releases.
     fn remap(self: &Arc<Self>) {
         {
             let mut remap = lock(&self.remap);
@@ -519,14 +596,24 @@ impl ClusterSlot {
         };
         let slot = self.clone();
         runtime.spawn(async move {
-            let made = slot.client.get_async_connection().await;
+            let owners = slot.ask_owners().await;
+            let changed = owners
+                .as_ref()
+                .is_some_and(|now| lock(&slot.owners).as_ref() != Some(now));
+            let made = if changed {
+                Some(slot.client.get_async_connection().await)
+            } else {
+                None
+            };
             *lock(&slot.remap) = Remap {
                 making: false,
                 done: Some(Instant::now()),
             };
             match made {
-                Ok(connection) => {
-                    tracing::debug!("Redis Cluster connection made anew after a call went unanswered");
+                None => {}
+                Some(Ok(connection)) => {
+                    tracing::debug!("Redis Cluster connection made anew: the slots' nodes have changed");
+                    *lock(&slot.owners) = owners;
                     let old = lock(&slot.connection).replace(connection);
                     let mut replaced = lock(&slot.replaced);
                     replaced.extend(old.map(|old| (Instant::now(), old)));
@@ -534,7 +621,7 @@ impl ClusterSlot {
                         replaced.pop_front();
                     }
                 }
-                Err(error) => tracing::debug!(%error, "the Redis Cluster connection could not be made anew"),
+                Some(Err(error)) => tracing::debug!(%error, "the Redis Cluster connection could not be made anew"),
             }
         });
     }
@@ -953,6 +1040,15 @@ impl RedisStore {
                 .set_connection_timeout(Some(timeout))
                 .set_response_timeout(Some(timeout)),
             timeout,
+            seeds: nodes
+                .iter()
+                .filter_map(|node| match &node.get_connection_info().addr() {
+                    redis::ConnectionAddr::Tcp(host, port) | redis::ConnectionAddr::TcpTls { host, port, .. } => {
+                        Some((host.clone(), *port))
+                    }
+                    _ => None,
+                })
+                .collect(),
         });
         let connection = Connection::Cluster {
             client: Box::new(client),
