@@ -381,6 +381,27 @@ async fn retry_completion(
     }
 }
 
+/// [`lost`]'s look at the record, asked again while the store fails.
+async fn look(
+    store: &StoreHandle,
+    key: &RecordKey,
+    outcome: &Outcome,
+) -> Result<Option<(Record, Duration)>, StoreError> {
+    let mut found = store.inspect_sized(key, outcome.size()).await;
+    for _ in 0..LOST_LOOKS {
+        // A record that cannot be read reads so again.
+        if matches!(found, Ok(_) | Err(StoreError::Corrupt(_))) {
+            break;
+        }
+        tokio::time::sleep(LOST_LOOK_PAUSE).await;
+        found = store.inspect_sized(key, outcome.size()).await;
+    }
+    found
+}
+
+/// How long [`lost`] waits on another request's claim to go.
+const LOST_WAIT: Duration = Duration::from_secs(5);
+
 /// How many more times [`lost`] asks a failing store, and how long it
 /// waits before each.
 const LOST_LOOKS: usize = 3;
@@ -403,9 +424,11 @@ const LOST_LOOK_PAUSE: Duration = Duration::from_millis(100);
 /// after the completion was refused: a Redis primary that took the first
 /// completion while it was cut off, then was failed over and dropped it,
 /// an operator's purge, or another request whose claim it was released
-/// it after its own failure. The answer the client got is written again, as
-/// a completion writes where no record is, so a retry replays it instead
-/// of running the request a second time.
+/// it after its own failure (waited for a few seconds when the claim is
+/// still there: one whose client got a 503 while the store was down is
+/// released as it comes back). The answer the client got is written
+/// again, as a completion writes where no record is, so a retry replays
+/// it instead of running the request a second time.
 async fn lost(
     store: &StoreHandle,
     key: &RecordKey,
@@ -414,14 +437,14 @@ async fn lost(
     outcome: &Outcome,
     ttl: Duration,
 ) -> bool {
-    let mut found = store.inspect_sized(key, outcome.size()).await;
-    for _ in 0..LOST_LOOKS {
-        // A record that cannot be read reads so again.
-        if matches!(found, Ok(_) | Err(StoreError::Corrupt(_))) {
-            break;
-        }
-        tokio::time::sleep(LOST_LOOK_PAUSE).await;
-        found = store.inspect_sized(key, outcome.size()).await;
+    let mut found = look(store, key, outcome).await;
+    if let Ok(Some((Record::InFlight { .. }, _))) = found {
+        // Another request's claim: often one given up on (its client got
+        // a 503 while the store did not answer, and its release is on the
+        // way once the store does). Waited out, for a while, and looked
+        // at again.
+        let _ = store.wait(key, LOST_WAIT).await;
+        found = look(store, key, outcome).await;
     }
     let found = match found {
         Ok(found) => found,
@@ -1109,6 +1132,40 @@ mod tests {
         let found = store.inspect(&key).await.unwrap();
         assert!(
             matches!(&found, Some((Record::Completed { fingerprint: f, outcome }, _)) if *f == fingerprint && *outcome == answer),
+            "{found:?}"
+        );
+    }
+
+    /// A completion refused because another request's claim held the key,
+    /// one given up on and released a moment later (its client got a 503
+    /// while the store did not answer): the claim is waited out, and the
+    /// answer the client got written where it belongs.
+    #[tokio::test]
+    async fn another_claim_released_meanwhile_is_waited_out_and_the_answer_written() {
+        let store = StoreHandle::memory(MemoryStore::new(1 << 20), Duration::from_secs(1));
+        let (key, fingerprint, owner) = (RecordKey([1; 32]), Fingerprint([2; 32]), Owner(7));
+        let ttl = Duration::from_secs(60);
+        let answer = Outcome::Response(Arc::new(StoredResponse::new(
+            StatusCode::CREATED,
+            &[],
+            &[Bytes::from_static(b"a")],
+        )));
+        store
+            .claim(&key, &fingerprint, Owner(8), Duration::from_secs(30), None)
+            .await
+            .unwrap();
+        let releasing = tokio::spawn({
+            let store = store.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                store.release(&key, Owner(8)).await.unwrap()
+            }
+        });
+        assert!(lost(&store, &key, &fingerprint, owner, &answer, ttl).await);
+        assert!(releasing.await.unwrap());
+        let found = store.inspect(&key).await.unwrap();
+        assert!(
+            matches!(&found, Some((Record::Completed { outcome, .. }, _)) if *outcome == answer),
             "{found:?}"
         );
     }

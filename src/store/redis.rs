@@ -544,27 +544,33 @@ impl ClusterSlot {
         Ok(connection)
     }
 
-    /// Which node serves which slots, from the first of the cluster's URLs
-    /// that answers; `None` if none does.
+    /// Which node serves which slots, from whichever of the cluster's URLs
+    /// answers first (all are asked at once: one may be the node that
+    /// stopped); `None` if none does.
     async fn ask_owners(&self) -> Option<SlotOwners> {
-        for (host, port) in &self.redirect_to.seeds {
-            let Ok(mut connection) = self.redirect(host, *port).await else {
-                continue;
-            };
-            let answer = redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut connection).await;
-            match answer {
-                Ok(answer) => {
-                    if let Some(owners) = slot_owners(&answer) {
-                        return Some(owners);
+        let ask = |(host, port): (String, u16)| {
+            Box::pin(async move {
+                let mut connection = self.redirect(&host, port).await.map_err(drop)?;
+                let answer = redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut connection).await;
+                match answer {
+                    Ok(answer) => slot_owners(&answer).ok_or(()),
+                    Err(error) => {
+                        if error.is_io_error() || error.is_connection_dropped() || error.is_timeout() {
+                            lock(&self.redirects).remove(&(host, port));
+                        }
+                        Err(())
                     }
                 }
-                Err(error) if error.is_io_error() || error.is_connection_dropped() || error.is_timeout() => {
-                    lock(&self.redirects).remove(&(host.clone(), *port));
-                }
-                Err(_) => {}
-            }
+            })
+        };
+        let asked: Vec<_> = self.redirect_to.seeds.iter().cloned().map(ask).collect();
+        if asked.is_empty() {
+            return None;
         }
-        None
+        futures_util::future::select_ok(asked)
+            .await
+            .ok()
+            .map(|(owners, _)| owners)
     }
 
     /// After a call went unanswered for its timeout: its node may have
