@@ -1115,59 +1115,41 @@ mod tests {
     }
 
     /// A completion refused, then a key found holding nothing (a Redis
-    /// primary failed over, which dropped the record it had just taken;
-    /// a purge): the answer the client got is written again, and a retry
-    /// replays it.
+    /// primary failed over, which dropped the record it had just taken; a
+    /// purge), or holding another request's claim that is released a
+    /// moment later (its client got a 503 while the store did not answer,
+    /// waited out): the answer the client got is written where it
+    /// belongs, and a retry replays it.
     #[tokio::test]
-    async fn a_record_gone_from_the_store_is_written_again_with_the_answer() {
+    async fn an_answer_whose_record_went_is_written_again() {
         let store = StoreHandle::memory(MemoryStore::new(1 << 20), Duration::from_secs(1));
-        let (key, fingerprint, owner) = (RecordKey([1; 32]), Fingerprint([2; 32]), Owner(7));
-        let ttl = Duration::from_secs(60);
+        let (fingerprint, owner, ttl) = (Fingerprint([2; 32]), Owner(7), Duration::from_secs(60));
         let answer = Outcome::Response(Arc::new(StoredResponse::new(
             StatusCode::CREATED,
             &[],
             &[Bytes::from_static(b"a")],
         )));
-        assert!(lost(&store, &key, &fingerprint, owner, &answer, ttl).await);
-        let found = store.inspect(&key).await.unwrap();
-        assert!(
-            matches!(&found, Some((Record::Completed { fingerprint: f, outcome }, _)) if *f == fingerprint && *outcome == answer),
-            "{found:?}"
-        );
-    }
-
-    /// A completion refused because another request's claim held the key,
-    /// one given up on and released a moment later (its client got a 503
-    /// while the store did not answer): the claim is waited out, and the
-    /// answer the client got written where it belongs.
-    #[tokio::test]
-    async fn another_claim_released_meanwhile_is_waited_out_and_the_answer_written() {
-        let store = StoreHandle::memory(MemoryStore::new(1 << 20), Duration::from_secs(1));
-        let (key, fingerprint, owner) = (RecordKey([1; 32]), Fingerprint([2; 32]), Owner(7));
-        let ttl = Duration::from_secs(60);
-        let answer = Outcome::Response(Arc::new(StoredResponse::new(
-            StatusCode::CREATED,
-            &[],
-            &[Bytes::from_static(b"a")],
-        )));
+        let (gone, claimed) = (RecordKey([1; 32]), RecordKey([3; 32]));
         store
-            .claim(&key, &fingerprint, Owner(8), Duration::from_secs(30), None)
+            .claim(&claimed, &fingerprint, Owner(8), Duration::from_secs(30), None)
             .await
             .unwrap();
         let releasing = tokio::spawn({
             let store = store.clone();
             async move {
                 tokio::time::sleep(Duration::from_millis(300)).await;
-                store.release(&key, Owner(8)).await.unwrap()
+                store.release(&claimed, Owner(8)).await.unwrap()
             }
         });
-        assert!(lost(&store, &key, &fingerprint, owner, &answer, ttl).await);
+        for key in [gone, claimed] {
+            assert!(lost(&store, &key, &fingerprint, owner, &answer, ttl).await);
+            let found = store.inspect(&key).await.unwrap();
+            assert!(
+                matches!(&found, Some((Record::Completed { fingerprint: f, outcome }, _)) if *f == fingerprint && *outcome == answer),
+                "{found:?}"
+            );
+        }
         assert!(releasing.await.unwrap());
-        let found = store.inspect(&key).await.unwrap();
-        assert!(
-            matches!(&found, Some((Record::Completed { outcome, .. }, _)) if *outcome == answer),
-            "{found:?}"
-        );
     }
 
     /// The memory store, whose look at a record fails `failures` times
