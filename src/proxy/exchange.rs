@@ -387,16 +387,26 @@ async fn look(
     key: &RecordKey,
     outcome: &Outcome,
 ) -> Result<Option<(Record, Duration)>, StoreError> {
-    let mut found = store.inspect_sized(key, outcome.size()).await;
+    // A record that cannot be read reads so again.
+    let settled = |found: &Result<_, StoreError>| matches!(found, Ok(_) | Err(StoreError::Corrupt(_)));
+    asked_again(|| store.inspect_sized(key, outcome.size()), settled).await
+}
+
+/// `ask`'s answer, asked again up to [`LOST_LOOKS`] times,
+/// [`LOST_LOOK_PAUSE`] apart, until `settled` takes it.
+async fn asked_again<T, F: Future<Output = Result<T, StoreError>>>(
+    mut ask: impl FnMut() -> F,
+    settled: impl Fn(&Result<T, StoreError>) -> bool,
+) -> Result<T, StoreError> {
+    let mut answer = ask().await;
     for _ in 0..LOST_LOOKS {
-        // A record that cannot be read reads so again.
-        if matches!(found, Ok(_) | Err(StoreError::Corrupt(_))) {
+        if settled(&answer) {
             break;
         }
         tokio::time::sleep(LOST_LOOK_PAUSE).await;
-        found = store.inspect_sized(key, outcome.size()).await;
+        answer = ask().await;
     }
-    found
+    answer
 }
 
 /// How long [`lost`] waits on another request's claim to go.
@@ -460,14 +470,8 @@ async fn lost(
     if found.is_none() {
         // As the look, tried again while the store fails: in a failover
         // it may still be settling.
-        let mut written = store.complete(key, fingerprint, owner, outcome.clone(), ttl).await;
-        for _ in 0..LOST_LOOKS {
-            if written.is_ok() {
-                break;
-            }
-            tokio::time::sleep(LOST_LOOK_PAUSE).await;
-            written = store.complete(key, fingerprint, owner, outcome.clone(), ttl).await;
-        }
+        let write = || store.complete(key, fingerprint, owner, outcome.clone(), ttl);
+        let written = asked_again(write, Result::is_ok).await;
         const GONE: &str = "the claim was gone, and so was any record (another request's claim released, a \
                             purge, or a store that lost it, as in a failover)";
         match written {

@@ -813,11 +813,15 @@ impl<T: Clone + Send> PerThread<T> {
         PerThread(thread_local::ThreadLocal::new())
     }
 
+    /// This thread's value, if it has made one.
+    fn get(&self) -> Option<T> {
+        let slot = self.0.get()?.borrow();
+        let (owner, value) = slot.as_ref()?;
+        (*owner == this_thread()).then(|| value.clone())
+    }
+
     fn get_or(&self, make: impl FnOnce() -> Result<T, RedisError>) -> Result<T, RedisError> {
-        thread_local! {
-            static ME: ThreadId = std::thread::current().id();
-        }
-        let me = ME.with(|me| *me);
+        let me = this_thread();
         let mut slot = self.0.get_or_default().borrow_mut();
         match &*slot {
             Some((owner, value)) if *owner == me => Ok(value.clone()),
@@ -828,6 +832,14 @@ impl<T: Clone + Send> PerThread<T> {
             }
         }
     }
+}
+
+/// The current thread's id, read once per thread.
+fn this_thread() -> ThreadId {
+    thread_local! {
+        static ME: ThreadId = std::thread::current().id();
+    }
+    ME.with(|me| *me)
 }
 
 pub struct RedisStore {
@@ -1375,8 +1387,6 @@ impl RedisStore {
         Ok(result.map_err(unavailable)? == Some(1))
     }
 
-    /// Runs `script` if `owner` holds the claim on `key`; `args` follow the
-    /// owner token.
     /// A release goes behind the claim it undoes on the same connection
     /// (see `StoreHandle::see_through`), so a node that was slow reads the
     /// claim first. A claim may have gone over a cluster connection that a
@@ -1387,7 +1397,8 @@ impl RedisStore {
         let Connection::Cluster { connections, .. } = &self.connection else {
             return;
         };
-        let Ok(slot) = connections.get_or(|| Err(RedisError::from((redis::ErrorKind::Client, "none yet")))) else {
+        // A thread that has made no connection has replaced none.
+        let Some(slot) = connections.get() else {
             return;
         };
         let replaced = slot.replaced();
@@ -1409,6 +1420,8 @@ impl RedisStore {
         }
     }
 
+    /// Runs `script` if `owner` holds the claim on `key`; `args` follow the
+    /// owner token.
     async fn owned(&self, script: &Lua, key: &RecordKey, owner: Owner, args: &[&[u8]]) -> Result<bool, StoreError> {
         let token = codec::owner_bytes(owner);
         let mut all: [&[u8]; 3] = [&token, &[], &[]];
