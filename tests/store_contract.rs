@@ -918,14 +918,7 @@ async fn redis_completions_made_together_go_in_one_call_each_owner_checked() {
         Claim::Completed { .. }
     ));
     let stats = server.cli(&["info", "commandstats"]).unwrap();
-    let field = |command: &str, name: &str| -> u64 {
-        let line = stats
-            .lines()
-            .find(|l| l.starts_with(&format!("cmdstat_{command}:")))
-            .unwrap_or_default();
-        let value = line.split([':', ',']).find_map(|f| f.strip_prefix(name)).unwrap_or("0");
-        value.parse().unwrap()
-    };
+    let field = |command: &str, name: &str| command_stat(&stats, command, name);
     let ran = |command: &str| field(command, "calls=") - field(command, "failed_calls=");
     // A fresh server refuses the first EVALSHA (NOSCRIPT), and the script
     // is then sent whole: one call went through.
@@ -953,6 +946,107 @@ async fn redis_completions_made_together_go_in_one_call_each_owner_checked() {
             outcome: response("first")
         }
     );
+}
+
+/// The field `name` (`calls=`, `failed_calls=`) of `command` in the
+/// server's `INFO commandstats` `stats`.
+fn command_stat(stats: &str, command: &str, name: &str) -> u64 {
+    let line = stats
+        .lines()
+        .find(|l| l.starts_with(&format!("cmdstat_{command}:")))
+        .unwrap_or_default();
+    let value = line.split([':', ',']).find_map(|f| f.strip_prefix(name)).unwrap_or("0");
+    value.parse().unwrap()
+}
+
+/// Retries of one request claimed at once from one thread (a storm of a
+/// client's retries) share one claim's round trip: Redis reads a stored
+/// answer once for them all, not once each, and each is told what a claim
+/// of its own would have found. A waiter reads whether the record is in
+/// flight, not the answer in it.
+#[tokio::test]
+async fn redis_claims_of_one_request_at_once_read_its_record_once() {
+    let server = support::redis::RedisServer::start();
+    let store = RedisStore::single(&server.url(), "idemgate", Duration::from_secs(2)).unwrap();
+    let answer = Outcome::Response(Arc::new(StoredResponse::new(
+        StatusCode::CREATED,
+        &[],
+        &[Bytes::from(vec![b'x'; 1 << 20])],
+    )));
+    let (k, owner) = (key(), Owner::new());
+    store.claim(&k, &A, owner, LONG, None).await.unwrap();
+    assert!(store.complete(&k, &A, owner, answer.clone(), LONG).await.unwrap());
+    let sets = || command_stat(&server.cli(&["info", "commandstats"]).unwrap(), "set", "calls=");
+    let before = sets();
+    let replays = futures_util::future::join_all((0..50).map(|_| store.claim(&k, &A, Owner::new(), LONG, None))).await;
+    for replay in replays {
+        assert_eq!(
+            replay.unwrap(),
+            Claim::Completed {
+                fingerprint: A,
+                outcome: answer.clone()
+            }
+        );
+    }
+    assert_eq!(sets() - before, 1, "50 claims at once, one read");
+
+    // Another body on the key at the same time is claimed by itself.
+    let before = sets();
+    let (same, other) = tokio::join!(
+        store.claim(&k, &A, Owner::new(), LONG, None),
+        store.claim(&k, &B, Owner::new(), LONG, None),
+    );
+    for found in [same.unwrap(), other.unwrap()] {
+        assert!(matches!(found, Claim::Completed { fingerprint: A, .. }), "{found:?}");
+    }
+    assert_eq!(sets() - before, 2);
+
+    // Claims of a free key at once: one takes it, the others are told of
+    // its claim.
+    let free = key();
+    let claims =
+        futures_util::future::join_all((0..10).map(|_| store.claim(&free, &A, Owner::new(), LONG, None))).await;
+    let claims: Vec<_> = claims.into_iter().map(Result::unwrap).collect();
+    assert_eq!(claims.iter().filter(|c| **c == Claim::Claimed).count(), 1, "{claims:?}");
+    assert_eq!(
+        claims
+            .iter()
+            .filter(|c| **c == Claim::InFlight { fingerprint: A })
+            .count(),
+        9,
+        "{claims:?}"
+    );
+
+    // The claim joined is given up before its answer (its client hung
+    // up): the one that joined it sends its own.
+    let gone = key();
+    let mut first = Box::pin(store.claim(&gone, &A, Owner::new(), LONG, None));
+    assert!(futures_util::poll!(first.as_mut()).is_pending());
+    let mut second = Box::pin(store.claim(&gone, &A, Owner::new(), LONG, None));
+    assert!(futures_util::poll!(second.as_mut()).is_pending());
+    drop(first);
+    let found = tokio::time::timeout(Duration::from_secs(5), second)
+        .await
+        .expect("a claim that joined one given up is answered")
+        .unwrap();
+    assert!(
+        matches!(found, Claim::Claimed | Claim::InFlight { fingerprint: A }),
+        "{found:?}"
+    );
+
+    // A waiter on the completed record reads a few bytes of it.
+    let output = || -> u64 {
+        let stats = server.cli(&["info", "stats"]).unwrap();
+        let line = stats
+            .lines()
+            .find(|l| l.starts_with("total_net_output_bytes:"))
+            .unwrap();
+        line.trim()["total_net_output_bytes:".len()..].parse().unwrap()
+    };
+    let before = output();
+    store.wait(&k, Duration::from_secs(1)).await.unwrap();
+    let read = output() - before;
+    assert!(read < 10_000, "a waiter read {read} bytes");
 }
 
 /// A one-shard cluster behind `url` refuses a script on keys of several

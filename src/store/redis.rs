@@ -9,9 +9,10 @@
 //! Every operation is one round trip. A claim is `SET ... NX PX ... GET`
 //! (Redis 7), or, when a replay must refresh the TTL in the same step or
 //! the server is older, a Lua script (`EVALSHA`, cached by SHA; sent whole
-//! with `EVAL` to a server that lacks it). Completion,
-//! release and renewal are scripts that check the owner token first (a
-//! completion also lands where the key holds no record). On one
+//! with `EVAL` to a server that lacks it); claims of one request made at
+//! once on one thread share one (see [`Claims`]). Completion, release and
+//! renewal are scripts that check the owner token first (a completion also
+//! lands where the key holds no record). On one
 //! server, completions made on a thread in one turn of its runtime share one
 //! script call (each still checked against its own owner), which saves
 //! Redis the script's fixed cost per completion; a server in cluster mode
@@ -32,6 +33,7 @@
 //! completes (`redis.pcall`); its waiters re-check twice a second.
 
 use std::cell::RefCell;
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -49,7 +51,7 @@ use tokio::sync::oneshot;
 use super::codec::{self, Decoded};
 use super::resp;
 use super::waiters::Waiters;
-use super::{Claim, Fingerprint, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
+use super::{Claim, Fingerprint, KeyMap, Outcome, Owner, Record, RecordKey, Store, StoreError, lock};
 use crate::clock::coarse_ms;
 use crate::telemetry::error_chain;
 
@@ -335,12 +337,15 @@ if not v then return false end
 return {v, redis.call('PTTL', KEYS[1])}
 ";
 
-/// PEEK, and when the record is in flight, mark it as waited on.
+/// When the record is in flight, marks it as waited on. Returns its first
+/// two bytes (enough to tell a claim from an answer: a waiter does not
+/// read a stored answer, and a crowd of them would read it once each)
+/// and its time left, as PEEK does.
 const WATCH: &str = r"
 local v = redis.call('GET', KEYS[1])
 if not v then return false end
 if string.byte(v, 2) == 0 and string.len(v) == 50 then redis.call('APPEND', KEYS[1], 'w') end
-return {v, redis.call('PTTL', KEYS[1])}
+return {string.sub(v, 1, 2), redis.call('PTTL', KEYS[1])}
 ";
 
 /// Deletes the record if it is still the one read before (ARGV[1]; a
@@ -865,6 +870,8 @@ pub struct RedisStore {
     /// Cleared when the server refuses a batch for spanning hash slots (a
     /// node in cluster mode behind `url`): completions go one by one.
     batching: AtomicBool,
+    /// Claims sent and not yet answered, per thread (see [`Claims`]).
+    claims: PerThread<Claims>,
     _subscriber: AbortOnDrop,
     _eviction_check: AbortOnDrop,
 }
@@ -884,6 +891,92 @@ struct Completion {
     record: Vec<u8>,
     ttl: String,
     reply: oneshot::Sender<Result<bool, StoreError>>,
+}
+
+/// The claims sent from one thread and not yet answered, by key, each
+/// with the same claims made since, which wait for its answer instead of
+/// sending their own. A storm of retries of one request (a client's
+/// retries, a replayed queue) would otherwise read its whole record from
+/// Redis once each, over the thread's one connection: hundreds of retries
+/// of a megabyte answer held every other call of the thread behind them
+/// past `store.timeout`. Joined, they cost one read per round trip.
+type Claims = Arc<Mutex<KeyMap<RecordKey, Sent>>>;
+
+/// A claim sent, and the claims that joined it.
+struct Sent {
+    fingerprint: Fingerprint,
+    refresh_ttl: Option<Duration>,
+    joined: Vec<oneshot::Sender<Result<Claim, String>>>,
+}
+
+impl Sent {
+    /// Whether a claim with `fingerprint` and `refresh_ttl` is answered by
+    /// this one's answer: the same request, read the same way. A claim
+    /// sent after this one, while it is on its way, would find what this
+    /// one found, or this one's own claim of the key.
+    fn joins(&self, fingerprint: &Fingerprint, refresh_ttl: Option<Duration>) -> bool {
+        self.fingerprint == *fingerprint && self.refresh_ttl == refresh_ttl
+    }
+}
+
+/// What a claim does, by [`join`].
+enum Turn {
+    /// Goes to Redis, taking its place in [`Claims`] for others to join.
+    Send,
+    /// Goes to Redis alone: the claim on its way is another request's
+    /// (another body, or a route that refreshes differently, on one key).
+    Alone,
+    /// Waits for the answer to the same claim, on its way.
+    Wait(oneshot::Receiver<Result<Claim, String>>),
+}
+
+/// Joins the claim of `key` on its way in `claims`, if it is the same as
+/// this one, or takes its place.
+fn join(claims: &Claims, key: &RecordKey, fingerprint: &Fingerprint, refresh_ttl: Option<Duration>) -> Turn {
+    match lock(claims).entry(*key) {
+        Entry::Vacant(vacant) => {
+            vacant.insert(Sent {
+                fingerprint: *fingerprint,
+                refresh_ttl,
+                joined: Vec::new(),
+            });
+            Turn::Send
+        }
+        Entry::Occupied(mut sent) if sent.get().joins(fingerprint, refresh_ttl) => {
+            let (tell, told) = oneshot::channel();
+            sent.get_mut().joined.push(tell);
+            Turn::Wait(told)
+        }
+        Entry::Occupied(_) => Turn::Alone,
+    }
+}
+
+/// A sent claim's place in [`Claims`], until its answer is in. Dropped
+/// first (its caller gave up: the client hung up), it leaves; the claims
+/// that joined it are told nothing and send their own.
+struct Sending {
+    claims: Option<Claims>,
+    key: RecordKey,
+}
+
+impl Sending {
+    /// Leaves [`Claims`], with the claims that joined this one. Once: the
+    /// key's place may be another claim's after.
+    fn finish(&mut self) -> Vec<oneshot::Sender<Result<Claim, String>>> {
+        let Some(claims) = self.claims.take() else {
+            return Vec::new();
+        };
+        lock(&claims)
+            .remove(&self.key)
+            .map(|sent| sent.joined)
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Sending {
+    fn drop(&mut self) {
+        self.finish();
+    }
 }
 
 /// Answers every completion of `batch` with `error`.
@@ -1093,6 +1186,7 @@ impl RedisStore {
             scripts_run: AtomicBool::new(false),
             batches,
             batching: AtomicBool::new(true),
+            claims: PerThread::new(),
             _subscriber: AbortOnDrop(subscriber),
             _eviction_check: AbortOnDrop(eviction_check),
         }
@@ -1282,6 +1376,55 @@ impl RedisStore {
         .await
     }
 
+    /// Claims `key` by itself: [`Store::claim`] without joining the same
+    /// claim already sent from this thread.
+    async fn claim_alone(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: Owner,
+        lease: Duration,
+        refresh_ttl: Option<Duration>,
+    ) -> Result<Claim, StoreError> {
+        if !self.scripts_run.load(Ordering::Relaxed) {
+            // Not sent: the claim waits on the probe.
+            self.probe().await.map_err(|error| match error {
+                StoreError::Unavailable(why) | StoreError::NotSent(why) => StoreError::NotSent(why),
+                other => other,
+            })?;
+        }
+        let claim = codec::in_flight(fingerprint, owner);
+        let claimed = if self.memory.full() {
+            Err(StoreError::NotSent(OUT_OF_MEMORY.into()))
+        } else if refresh_ttl.is_none() && self.native_claim.load(Ordering::Relaxed) {
+            self.claim_natively(key, &claim, ms(lease)).await
+        } else {
+            // A replay that refreshes the TTL must do it in the same step.
+            self.claim_by_script(key, &claim, ms(lease), refresh_ttl.map_or(0, ms))
+                .await
+        };
+        let found = match claimed {
+            Ok(found) => found,
+            Err(error) if !self.memory.full() => return Err(error),
+            // Out of memory (just now, or this claim was refused so): what
+            // is there is read, a replay answered; nothing new is taken.
+            Err(_) => match self.read(key).await? {
+                Some((record, _)) => Some(record),
+                None => return Err(StoreError::NotSent(OUT_OF_MEMORY.into())),
+            },
+        };
+        let Some(record) = found else {
+            return Ok(Claim::Claimed);
+        };
+        Ok(match codec::decode(Bytes::from(record))? {
+            // Our own claim: the cluster client resent the command after a
+            // dropped connection, and the first one had taken the key.
+            Decoded::InFlight { owner: found, .. } if found == owner => Claim::Claimed,
+            Decoded::InFlight { fingerprint, .. } => Claim::InFlight { fingerprint },
+            Decoded::Completed { fingerprint, outcome } => Claim::Completed { fingerprint, outcome },
+        })
+    }
+
     /// Completes the records of `batch`, in calls of at most
     /// [`BATCH_COUNT`] records or about [`BATCH_BYTES`]. Answers each.
     async fn complete_batch(&self, mut batch: Vec<Completion>) {
@@ -1443,43 +1586,39 @@ impl Store for RedisStore {
         lease: Duration,
         refresh_ttl: Option<Duration>,
     ) -> Result<Claim, StoreError> {
-        if !self.scripts_run.load(Ordering::Relaxed) {
-            // Not sent: the claim waits on the probe.
-            self.probe().await.map_err(|error| match error {
-                StoreError::Unavailable(why) | StoreError::NotSent(why) => StoreError::NotSent(why),
-                other => other,
-            })?;
+        let claims = self.claims.get_or(|| Ok(Arc::default())).map_err(unavailable)?;
+        loop {
+            match join(&claims, key, fingerprint, refresh_ttl) {
+                Turn::Send => break,
+                Turn::Alone => return self.claim_alone(key, fingerprint, owner, lease, refresh_ttl).await,
+                Turn::Wait(told) => match told.await {
+                    Ok(Ok(claim)) => return Ok(claim),
+                    Ok(Err(error)) => return Err(StoreError::NotSent(error.into())),
+                    // The claim joined was given up unanswered (its client
+                    // hung up): sent again, by this one or one it joins.
+                    Err(_) => continue,
+                },
+            }
         }
-        let claim = codec::in_flight(fingerprint, owner);
-        let claimed = if self.memory.full() {
-            Err(StoreError::NotSent(OUT_OF_MEMORY.into()))
-        } else if refresh_ttl.is_none() && self.native_claim.load(Ordering::Relaxed) {
-            self.claim_natively(key, &claim, ms(lease)).await
-        } else {
-            // A replay that refreshes the TTL must do it in the same step.
-            self.claim_by_script(key, &claim, ms(lease), refresh_ttl.map_or(0, ms))
-                .await
+        let mut sending = Sending {
+            claims: Some(claims),
+            key: *key,
         };
-        let found = match claimed {
-            Ok(found) => found,
-            Err(error) if !self.memory.full() => return Err(error),
-            // Out of memory (just now, or this claim was refused so): what
-            // is there is read, a replay answered; nothing new is taken.
-            Err(_) => match self.read(key).await? {
-                Some((record, _)) => Some(record),
-                None => return Err(StoreError::NotSent(OUT_OF_MEMORY.into())),
-            },
-        };
-        let Some(record) = found else {
-            return Ok(Claim::Claimed);
-        };
-        Ok(match codec::decode(Bytes::from(record))? {
-            // Our own claim: the cluster client resent the command after a
-            // dropped connection, and the first one had taken the key.
-            Decoded::InFlight { owner: found, .. } if found == owner => Claim::Claimed,
-            Decoded::InFlight { fingerprint, .. } => Claim::InFlight { fingerprint },
-            Decoded::Completed { fingerprint, outcome } => Claim::Completed { fingerprint, outcome },
-        })
+        let result = self.claim_alone(key, fingerprint, owner, lease, refresh_ttl).await;
+        let joined = sending.finish();
+        if !joined.is_empty() {
+            let told = match &result {
+                Ok(Claim::Claimed) => Ok(Claim::InFlight {
+                    fingerprint: *fingerprint,
+                }),
+                Ok(claim) => Ok(claim.clone()),
+                Err(error) => Err(format!("the same request's claim, joined, failed: {}", cause(error))),
+            };
+            for tell in joined {
+                let _ = tell.send(told.clone());
+            }
+        }
+        result
     }
 
     async fn complete(
