@@ -1034,6 +1034,16 @@ async fn redis_claims_of_one_request_at_once_read_its_record_once() {
         "{found:?}"
     );
 
+    // A record that cannot be read is so for each claim that joined.
+    let unreadable = key();
+    let redis_key = format!("idemgate:{{{}}}", hex::encode(unreadable.0));
+    assert!(server.cli(&["set", &redis_key, "\u{1}\u{1}garbage"]).is_some());
+    let claims =
+        futures_util::future::join_all((0..3).map(|_| store.claim(&unreadable, &A, Owner::new(), LONG, None))).await;
+    for claim in claims {
+        assert!(matches!(claim, Err(StoreError::Corrupt(_))), "{claim:?}");
+    }
+
     // A waiter on the completed record reads a few bytes of it.
     let output = || -> u64 {
         let stats = server.cli(&["info", "stats"]).unwrap();

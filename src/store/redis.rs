@@ -902,18 +902,55 @@ struct Completion {
 /// past `store.timeout`. Joined, they cost one read per round trip.
 type Claims = Arc<Mutex<KeyMap<RecordKey, Sent>>>;
 
+/// What a claim that joined another is told: what the claim found, or
+/// why it failed.
+type Told = Result<Claim, Failed>;
+
+/// Why a claim joined failed, for each claim that joined it.
+#[derive(Clone)]
+enum Failed {
+    /// The record under the key cannot be read: kept as such, as the
+    /// proxy then refuses even where `on_error = "pass"` would forward (it
+    /// could run the request twice).
+    Corrupt(&'static str),
+    /// Any other failure: the joined claims themselves were not sent.
+    NotSent(String),
+}
+
+impl Failed {
+    fn of(error: &StoreError) -> Failed {
+        match error {
+            StoreError::Corrupt(why) => Failed::Corrupt(why),
+            other => Failed::NotSent(format!("the same claim, joined, failed: {}", cause(other))),
+        }
+    }
+
+    fn error(self) -> StoreError {
+        match self {
+            Failed::Corrupt(why) => StoreError::Corrupt(why),
+            Failed::NotSent(why) => StoreError::NotSent(why.into()),
+        }
+    }
+}
+
 /// A claim sent, and the claims that joined it.
 struct Sent {
     fingerprint: Fingerprint,
     refresh_ttl: Option<Duration>,
-    joined: Vec<oneshot::Sender<Result<Claim, String>>>,
+    joined: Vec<oneshot::Sender<Told>>,
 }
 
 impl Sent {
     /// Whether a claim with `fingerprint` and `refresh_ttl` is answered by
-    /// this one's answer: the same request, read the same way. A claim
-    /// sent after this one, while it is on its way, would find what this
-    /// one found, or this one's own claim of the key.
+    /// this one's answer: the same request, read the same way. Sent
+    /// instead, behind this one on the thread's connection, it would find
+    /// this one's claim of the key, or what this one found, or, if it
+    /// reached Redis later, a state since moved on (the answer of a claim
+    /// this one found in flight, a purge). A claim that joins may so be
+    /// told a state a few moments old, until this one's caller runs again
+    /// after the answer comes: a 409 where the answer is just in, or a
+    /// replay of a record just purged; never the key for itself, so never
+    /// a second run.
     fn joins(&self, fingerprint: &Fingerprint, refresh_ttl: Option<Duration>) -> bool {
         self.fingerprint == *fingerprint && self.refresh_ttl == refresh_ttl
     }
@@ -927,7 +964,7 @@ enum Turn {
     /// (another body, or a route that refreshes differently, on one key).
     Alone,
     /// Waits for the answer to the same claim, on its way.
-    Wait(oneshot::Receiver<Result<Claim, String>>),
+    Wait(oneshot::Receiver<Told>),
 }
 
 /// Joins the claim of `key` on its way in `claims`, if it is the same as
@@ -953,7 +990,8 @@ fn join(claims: &Claims, key: &RecordKey, fingerprint: &Fingerprint, refresh_ttl
 
 /// A sent claim's place in [`Claims`], until its answer is in. Dropped
 /// first (its caller gave up: the client hung up), it leaves; the claims
-/// that joined it are told nothing and send their own.
+/// that joined it are told nothing and claim again (one sends, the others
+/// join it).
 struct Sending {
     claims: Option<Claims>,
     key: RecordKey,
@@ -962,7 +1000,7 @@ struct Sending {
 impl Sending {
     /// Leaves [`Claims`], with the claims that joined this one. Once: the
     /// key's place may be another claim's after.
-    fn finish(&mut self) -> Vec<oneshot::Sender<Result<Claim, String>>> {
+    fn finish(&mut self) -> Vec<oneshot::Sender<Told>> {
         let Some(claims) = self.claims.take() else {
             return Vec::new();
         };
@@ -1593,7 +1631,7 @@ impl Store for RedisStore {
                 Turn::Alone => return self.claim_alone(key, fingerprint, owner, lease, refresh_ttl).await,
                 Turn::Wait(told) => match told.await {
                     Ok(Ok(claim)) => return Ok(claim),
-                    Ok(Err(error)) => return Err(StoreError::NotSent(error.into())),
+                    Ok(Err(failed)) => return Err(failed.error()),
                     // The claim joined was given up unanswered (its client
                     // hung up): sent again, by this one or one it joins.
                     Err(_) => continue,
@@ -1612,7 +1650,7 @@ impl Store for RedisStore {
                     fingerprint: *fingerprint,
                 }),
                 Ok(claim) => Ok(claim.clone()),
-                Err(error) => Err(format!("the same request's claim, joined, failed: {}", cause(error))),
+                Err(error) => Err(Failed::of(error)),
             };
             for tell in joined {
                 let _ = tell.send(told.clone());
