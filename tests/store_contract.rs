@@ -1059,6 +1059,51 @@ async fn redis_claims_of_one_request_at_once_read_its_record_once() {
     assert!(read < 10_000, "a waiter read {read} bytes");
 }
 
+/// A claim dropped before its answer (its client hung up) is seen
+/// through: released if the store took it, left alone if it found a
+/// record, and still answering the claims that joined it.
+#[tokio::test]
+async fn redis_claims_dropped_before_their_answer_are_seen_through() {
+    let server = support::redis::RedisServer::start();
+    let redis = Arc::new(RedisStore::single(&server.url(), "idemgate", Duration::from_secs(2)).unwrap());
+    let store = StoreHandle::new(redis, Duration::from_secs(2));
+    let (done, owner) = (key(), Owner::new());
+    assert_eq!(store.claim(&done, &A, owner, LONG, None).await.unwrap(), Claim::Claimed);
+    assert!(store.complete(&done, &A, owner, response("x"), LONG).await.unwrap());
+    let stats = || server.cli(&["info", "commandstats"]).unwrap();
+    let calls = |command: &str| command_stat(&stats(), command, "calls=");
+    let (sets, scripts) = (calls("set"), calls("evalsha") + calls("eval"));
+
+    // Found a record: nothing to release. Joined by another, which is
+    // answered though the claim it joined was dropped.
+    let mut first = Box::pin(store.claim(&done, &A, Owner::new(), LONG, None));
+    assert!(futures_util::poll!(first.as_mut()).is_pending());
+    let mut second = Box::pin(store.claim(&done, &A, Owner::new(), LONG, None));
+    assert!(futures_util::poll!(second.as_mut()).is_pending());
+    drop(first);
+    assert!(matches!(second.await.unwrap(), Claim::Completed { fingerprint: A, .. }));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(calls("set") - sets, 1, "one claim sent");
+    assert_eq!(calls("evalsha") + calls("eval") - scripts, 0, "no release sent");
+
+    // Took a free key: released once answered.
+    let free = key();
+    let mut dropped = Box::pin(store.claim(&free, &A, Owner::new(), LONG, None));
+    assert!(futures_util::poll!(dropped.as_mut()).is_pending());
+    drop(dropped);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match store.claim(&free, &A, Owner::new(), LONG, None).await.unwrap() {
+            Claim::Claimed => break,
+            found => assert!(
+                Instant::now() < deadline,
+                "the dropped claim still holds the key: {found:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A one-shard cluster behind `url` refuses a script on keys of several
 /// hash slots (CROSSSLOT): completions made together are then each
 /// completed alone, and from there on sent alone.

@@ -560,13 +560,6 @@ impl Gateway {
         let refresh = policy.refresh_ttl_on_replay.then_some(policy.ttl);
         // Set when the key is first found in flight.
         let mut wait_until = None;
-        // Armed, and given its owner, by each claim below.
-        let mut unsettled = Unsettled {
-            store: &self.context.store,
-            key: record_key,
-            owner: Owner(0),
-            armed: false,
-        };
         // When the claim was sent: the lease's start, as the store may have
         // taken it at any moment after, however late its answer comes. And
         // when it was answered: the upstream's deadline runs from there, so
@@ -578,8 +571,6 @@ impl Gateway {
             // land, and the release that follows it, owner-checked, must
             // not take a later claim that won.
             let owner = Owner::new();
-            unsettled.armed = true;
-            unsettled.owner = owner;
             let started = Instant::now();
             let claim = self
                 .context
@@ -589,8 +580,9 @@ impl Gateway {
             let answered = Instant::now();
             self.context.metrics.store_latency.observe(answered - started);
             // Answered: claimed, the exchange's guard takes over; not, the
-            // store handle has released whatever a failed call may have taken.
-            unsettled.armed = false;
+            // store handle has released whatever a failed call may have
+            // taken (as it does when this request is dropped before the
+            // answer: its client hung up).
             let problem = match claim {
                 Ok(Claim::Claimed) => break (owner, started, answered),
                 Ok(Claim::InFlight { fingerprint: f, .. } | Claim::Completed { fingerprint: f, .. })
@@ -855,26 +847,6 @@ fn forward_key(policy: &Policy, headers: &mut http::HeaderMap, key: &str) {
                 name.clone(),
                 HeaderValue::from_str(key).expect("keys are visible ASCII"),
             );
-        }
-    }
-}
-
-/// A claim this request may hold without knowing it: the store may have
-/// applied a claim whose call was cut off by the client going away
-/// (a call that returns an error is released by [`StoreHandle::claim`]).
-/// Dropped while armed, it releases the key; the release is owner-checked,
-/// so it never touches anyone else's.
-struct Unsettled<'a> {
-    store: &'a StoreHandle,
-    key: crate::store::RecordKey,
-    owner: Owner,
-    armed: bool,
-}
-
-impl Drop for Unsettled<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.store.release_in_background(self.key, self.owner);
         }
     }
 }

@@ -493,6 +493,27 @@ pub const STORE_BYTES_PER_SECOND: u64 = 16 << 20;
 /// (see [`StoreHandle::claim`]).
 const MAX_SEEN_THROUGH: usize = 4096;
 
+/// A claim's call to the store, boxed.
+type ClaimCall = Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>;
+
+/// A claim on its way, until answered: dropped before (its caller went
+/// away), it is seen through ([`StoreHandle::see_through`]).
+struct Pending<'a> {
+    store: &'a StoreHandle,
+    claim: Option<ClaimCall>,
+    key: RecordKey,
+    owner: Owner,
+    lease: Duration,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if let Some(claim) = self.claim.take() {
+            self.store.see_through(claim, self.key, self.owner, self.lease);
+        }
+    }
+}
+
 /// The store as the proxy uses it: a backend plus a deadline on every call.
 #[derive(Clone)]
 pub struct StoreHandle {
@@ -589,7 +610,10 @@ impl StoreHandle {
     /// claim answered only after half its `lease` fails too (a timeout of
     /// the lease) and is released: its lease, counted from the sending, may
     /// have run out on the way, or run out before a renewal as slow as the
-    /// claim lands.
+    /// claim lands. A call dropped before its answer (the client hung up)
+    /// is seen through as a timed-out one is: released only if the store
+    /// took it, and still answering the claims that joined it (see
+    /// [`RedisStore`]'s claims).
     pub async fn claim(
         &self,
         key: &RecordKey,
@@ -604,8 +628,19 @@ impl StoreHandle {
         let store = self.store.clone();
         let (key, fingerprint) = (*key, *fingerprint);
         let sent = std::time::Instant::now();
-        let mut claim = Box::pin(async move { store.claim(&key, &fingerprint, owner, lease, refresh_ttl).await });
-        let result = self.deadline(claim.as_mut()).await;
+        let mut pending = Pending {
+            store: self,
+            claim: Some(Box::pin(async move {
+                store.claim(&key, &fingerprint, owner, lease, refresh_ttl).await
+            })),
+            key,
+            owner,
+            lease,
+        };
+        let result = self
+            .deadline(pending.claim.as_mut().expect("until answered").as_mut())
+            .await;
+        let claim = pending.claim.take().expect("until answered");
         match result {
             // Taken, but answered only after half the lease (a deadline
             // longer than that): the lease may have run out on the way, and
@@ -629,7 +664,7 @@ impl StoreHandle {
     }
 
     /// A claim given up on may still reach the store (it was sent, and the
-    /// store was slow): it is seen through in a task of its own, for as long
+    /// store was slow, or its caller went away): it is seen through in a task of its own, for as long
     /// as its lease, and then released unless the store answered that it
     /// did not take it (a release only ever removes this owner's claim, so
     /// one after a failed or lost answer is safe). Released at once instead,
@@ -641,7 +676,7 @@ impl StoreHandle {
     /// at once, and if that release loses the race its lease frees the key.
     fn see_through(
         &self,
-        claim: Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>,
+        claim: ClaimCall,
         key: RecordKey,
         owner: Owner,
         lease: Duration,
