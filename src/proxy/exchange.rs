@@ -980,7 +980,7 @@ fn released(code: Code, policy: &Policy) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{Claim, MemoryStore, Store, StoreError};
+    use crate::store::MemoryStore;
 
     #[test]
     fn a_recorded_frame_keeps_no_part_of_the_read_buffer() {
@@ -1156,66 +1156,6 @@ mod tests {
         assert!(releasing.await.unwrap());
     }
 
-    /// The memory store, whose look at a record fails `failures` times
-    /// first, as a connection still failing after a cut-off completion
-    /// does.
-    struct FailingLooks {
-        store: MemoryStore,
-        failures: std::sync::atomic::AtomicUsize,
-    }
-
-    #[async_trait::async_trait]
-    impl Store for FailingLooks {
-        async fn claim(
-            &self,
-            key: &RecordKey,
-            fingerprint: &Fingerprint,
-            owner: Owner,
-            lease: Duration,
-            refresh_ttl: Option<Duration>,
-        ) -> Result<Claim, StoreError> {
-            self.store.claim(key, fingerprint, owner, lease, refresh_ttl).await
-        }
-        async fn complete(
-            &self,
-            key: &RecordKey,
-            fingerprint: &Fingerprint,
-            owner: Owner,
-            outcome: Outcome,
-            ttl: Duration,
-        ) -> Result<bool, StoreError> {
-            self.store.complete(key, fingerprint, owner, outcome, ttl).await
-        }
-        async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
-            self.store.release(key, owner).await
-        }
-        async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {
-            self.store.renew(key, owner, lease).await
-        }
-        async fn wait(&self, key: &RecordKey, timeout: Duration) -> Result<(), StoreError> {
-            self.store.wait(key, timeout).await
-        }
-        async fn ping(&self) -> Result<(), StoreError> {
-            self.store.ping().await
-        }
-        async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
-            use std::sync::atomic::Ordering::Relaxed;
-            if self
-                .failures
-                .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1))
-                .is_ok()
-            {
-                return Err(StoreError::Unavailable(
-                    std::io::Error::other("connection reset").into(),
-                ));
-            }
-            self.store.inspect(key).await
-        }
-        async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
-            self.store.purge(key).await
-        }
-    }
-
     /// A completion that landed is told from a lost lease even when the
     /// store fails the first looks at the record; one it never lets be
     /// read is neither.
@@ -1228,9 +1168,9 @@ mod tests {
             &[Bytes::from_static(b"a")],
         )));
         for (failures, found) in [(LOST_LOOKS, true), (LOST_LOOKS + 1, false)] {
-            let store = Arc::new(FailingLooks {
-                store: MemoryStore::new(1 << 20),
-                failures: failures.into(),
+            let store = Arc::new(crate::store::faulty::Faulty {
+                failing_looks: failures.into(),
+                ..crate::store::faulty::Faulty::new()
             });
             let handle = StoreHandle::new(store.clone(), Duration::from_secs(1));
             handle

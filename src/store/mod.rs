@@ -8,6 +8,8 @@
 
 pub mod codec;
 mod embedded;
+#[cfg(test)]
+pub(crate) mod faulty;
 mod filter;
 mod memory;
 mod redis;
@@ -489,9 +491,22 @@ pub trait Store: Send + Sync + 'static {
 /// sending the whole record again, until its `ttl`.
 pub const STORE_BYTES_PER_SECOND: u64 = 16 << 20;
 
-/// Claims given up on at their timeout and still seen through, at most
-/// (see [`StoreHandle::claim`]).
+/// Claims given up on (at their timeout, or by a caller that went away)
+/// and still seen through, at most (see [`StoreHandle::claim`]).
 const MAX_SEEN_THROUGH: usize = 4096;
+
+/// Claims seen through now.
+static SEEN_THROUGH: AtomicUsize = AtomicUsize::new(0);
+
+/// One of [`SEEN_THROUGH`], until dropped (the task ends, or its claim
+/// panics).
+struct SeenThrough;
+
+impl Drop for SeenThrough {
+    fn drop(&mut self) {
+        SEEN_THROUGH.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 /// A claim's call to the store, boxed.
 type ClaimCall = Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>;
@@ -508,7 +523,13 @@ struct Pending<'a> {
 
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
-        if let Some(claim) = self.claim.take() {
+        let Some(claim) = self.claim.take() else {
+            return;
+        };
+        // A call that panicked cannot be polled again: released at once.
+        if std::thread::panicking() {
+            self.store.release_in_background(self.key, self.owner);
+        } else {
             self.store.see_through(claim, self.key, self.owner, self.lease);
         }
     }
@@ -611,9 +632,11 @@ impl StoreHandle {
     /// the lease) and is released: its lease, counted from the sending, may
     /// have run out on the way, or run out before a renewal as slow as the
     /// claim lands. A call dropped before its answer (the client hung up)
-    /// is seen through as a timed-out one is: released only if the store
-    /// took it, and still answering the claims that joined it (see
-    /// [`RedisStore`]'s claims).
+    /// is seen through as a timed-out one is: released unless the store
+    /// answers that it did not take it, and meanwhile still answering the
+    /// claims that joined it (see [`RedisStore`]'s claims). A call that
+    /// was not sent yet when dropped (waiting on a connection, say) is
+    /// then sent, and released once answered.
     pub async fn claim(
         &self,
         key: &RecordKey,
@@ -674,25 +697,19 @@ impl StoreHandle {
     /// [`MAX_SEEN_THROUGH`] at a time: past that, as against a store that
     /// has stopped answering altogether, the claim is dropped and released
     /// at once, and if that release loses the race its lease frees the key.
-    fn see_through(
-        &self,
-        claim: ClaimCall,
-        key: RecordKey,
-        owner: Owner,
-        lease: Duration,
-    ) {
-        static SEEN_THROUGH: AtomicUsize = AtomicUsize::new(0);
+    fn see_through(&self, claim: ClaimCall, key: RecordKey, owner: Owner, lease: Duration) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        let seen = SeenThrough;
         if SEEN_THROUGH.fetch_add(1, Ordering::Relaxed) >= MAX_SEEN_THROUGH {
-            SEEN_THROUGH.fetch_sub(1, Ordering::Relaxed);
+            drop(seen);
             return self.release_in_background(key, owner);
         }
         let store = self.clone();
         runtime.spawn(async move {
             let answer = tokio::time::timeout(lease, claim).await;
-            SEEN_THROUGH.fetch_sub(1, Ordering::Relaxed);
+            drop(seen);
             // Not taken: nothing to release. Still unanswered after a whole
             // lease, it may yet be taken (a store that stalled), and is
             // released all the same: the release is owner-checked and goes
@@ -700,7 +717,7 @@ impl StoreHandle {
             if let Ok(Ok(Claim::InFlight { .. } | Claim::Completed { .. }) | Err(StoreError::NotSent(_))) = answer {
                 return;
             }
-            tracing::debug!(key = %key.tag(), "a claim answered after its timeout is released");
+            tracing::debug!(key = %key.tag(), "a claim given up on is released");
             store.release_abandoned(key, owner).await;
         });
     }
@@ -812,5 +829,30 @@ mod tests {
         });
         let distinct: std::collections::HashSet<_> = owners.iter().collect();
         assert_eq!(distinct.len(), owners.len());
+    }
+
+    /// A claim whose call panics (a bug in a store's code) is released, as
+    /// it may have taken the key, and is never polled again.
+    #[tokio::test]
+    async fn a_claim_that_panics_is_released() {
+        let store = Arc::new(faulty::Faulty {
+            claims_panic: true,
+            ..faulty::Faulty::new()
+        });
+        let handle = StoreHandle::new(store.clone(), Duration::from_secs(1));
+        let (key, fingerprint, lease) = (RecordKey([1; 32]), Fingerprint([2; 32]), Duration::from_secs(30));
+        let claiming = tokio::spawn({
+            let handle = handle.clone();
+            async move { handle.claim(&key, &fingerprint, Owner(7), lease, None).await }
+        });
+        assert!(claiming.await.unwrap_err().is_panic());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while store.store.claim_now(&key, &fingerprint, Owner(8), lease, None) != Claim::Claimed {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the panicked claim still holds the key"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 }

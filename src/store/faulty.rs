@@ -1,0 +1,85 @@
+//! A memory store with faults put in, for unit tests of what the proxy
+//! and the store handle do when a store call fails.
+
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use super::{Claim, Fingerprint, MemoryStore, Outcome, Owner, Record, RecordKey, Store, StoreError};
+
+pub(crate) struct Faulty {
+    pub store: MemoryStore,
+    /// Looks at a record (`inspect`) that fail before one goes through, as
+    /// a connection still failing after a cut-off completion does.
+    pub failing_looks: AtomicUsize,
+    /// Whether a claim, once it has taken the key and yielded once,
+    /// panics (a bug in a store's code).
+    pub claims_panic: bool,
+}
+
+impl Faulty {
+    pub fn new() -> Faulty {
+        Faulty {
+            store: MemoryStore::new(1 << 20),
+            failing_looks: AtomicUsize::new(0),
+            claims_panic: false,
+        }
+    }
+}
+
+#[async_trait]
+impl Store for Faulty {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: Owner,
+        lease: Duration,
+        refresh_ttl: Option<Duration>,
+    ) -> Result<Claim, StoreError> {
+        let claim = self.store.claim(key, fingerprint, owner, lease, refresh_ttl).await;
+        if self.claims_panic {
+            tokio::task::yield_now().await;
+            panic!("a store's claim panicked");
+        }
+        claim
+    }
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: Owner,
+        outcome: Outcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.store.complete(key, fingerprint, owner, outcome, ttl).await
+    }
+    async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
+        self.store.release(key, owner).await
+    }
+    async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {
+        self.store.renew(key, owner, lease).await
+    }
+    async fn wait(&self, key: &RecordKey, timeout: Duration) -> Result<(), StoreError> {
+        self.store.wait(key, timeout).await
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.store.ping().await
+    }
+    async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
+        if self
+            .failing_looks
+            .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(StoreError::Unavailable(
+                std::io::Error::other("connection reset").into(),
+            ));
+        }
+        self.store.inspect(key).await
+    }
+    async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
+        self.store.purge(key).await
+    }
+}
