@@ -1043,6 +1043,15 @@ async fn redis_claims_of_one_request_at_once_read_its_record_once() {
     for claim in claims {
         assert!(matches!(claim, Err(StoreError::Corrupt(_))), "{claim:?}");
     }
+    // So is a key that holds another type of value, by the native claim
+    // and by the script a replay that refreshes its TTL claims with.
+    let other_type = key();
+    let redis_key = format!("idemgate:{{{}}}", hex::encode(other_type.0));
+    assert!(server.cli(&["hset", &redis_key, "f", "v"]).is_some());
+    for refresh in [None, Some(LONG)] {
+        let claim = store.claim(&other_type, &A, Owner::new(), LONG, refresh).await;
+        assert!(matches!(claim, Err(StoreError::Corrupt(_))), "{claim:?}");
+    }
 
     // A waiter on the completed record reads a few bytes of it.
     let output = || -> u64 {

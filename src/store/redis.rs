@@ -1062,13 +1062,20 @@ fn refuses_nx_get(error: &RedisError) -> bool {
         && error.detail().is_some_and(|detail| detail.starts_with("syntax error"))
 }
 
-/// A Redis error as the store's: one the redis crate raised before the
+/// A Redis error as the store's: `WRONGTYPE` is a record that cannot be
+/// read ([`StoreError::Corrupt`]); one the redis crate raised before the
 /// command was sent (our own connection's [`resp`] marks those it never
 /// wrote so) is `NotSent`. A server that does not know a command quotes
 /// its first arguments back (`..., with args beginning with: 'key' ...`):
 /// record keys, owner tokens, records; they are left out
 /// ([`resp::unquoted`]), as the error goes to the logs.
 fn unavailable(e: RedisError) -> StoreError {
+    // Redis answered, and the key holds something idemgate did not write
+    // (a hash, a list): as a record it cannot read, refused even where
+    // `on_error = "pass"` would forward, as the key is taken.
+    if e.code() == Some("WRONGTYPE") || e.detail().is_some_and(|d| d.contains("WRONGTYPE")) {
+        return StoreError::Corrupt("the key holds a Redis value of another type");
+    }
     let not_sent = e.kind() == redis::ErrorKind::Client;
     let text = e.to_string();
     let error: Box<dyn std::error::Error + Send + Sync> = match resp::unquoted(&text) {
