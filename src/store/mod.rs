@@ -687,16 +687,17 @@ impl StoreHandle {
     }
 
     /// A claim given up on may still reach the store (it was sent, and the
-    /// store was slow, or its caller went away): it is seen through in a task of its own, for as long
-    /// as its lease, and then released unless the store answered that it
-    /// did not take it (a release only ever removes this owner's claim, so
-    /// one after a failed or lost answer is safe). Released at once instead,
-    /// the release could reach the store first (another thread's
-    /// connection, a batch not yet written) and leave the key claimed by
-    /// nobody, every retry a 409 until the lease ran out. At most
-    /// [`MAX_SEEN_THROUGH`] at a time: past that, as against a store that
-    /// has stopped answering altogether, the claim is dropped and released
-    /// at once, and if that release loses the race its lease frees the key.
+    /// store was slow, or its caller went away): it is seen through in a
+    /// task of its own, for as long as its lease, and then released unless
+    /// the store answered that it did not take it (a release only ever
+    /// removes this owner's claim, so one after a failed or lost answer is
+    /// safe). Released at once instead, the release could reach the store
+    /// first (another thread's connection, a batch not yet written) and
+    /// leave the key claimed by nobody, every retry a 409 until the lease
+    /// ran out. At most [`MAX_SEEN_THROUGH`] at a time: past that, as
+    /// against a store that has stopped answering altogether, the claim is
+    /// dropped and released at once, and if that release loses the race
+    /// its lease frees the key.
     fn see_through(&self, claim: ClaimCall, key: RecordKey, owner: Owner, lease: Duration) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
