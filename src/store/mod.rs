@@ -6,6 +6,7 @@
 //! which puts a deadline on every call so a store that hangs is an error, not
 //! a hung request.
 
+mod cluster;
 pub mod codec;
 mod embedded;
 #[cfg(test)]

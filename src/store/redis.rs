@@ -16,7 +16,9 @@
 //! server, completions made on a thread in one turn of its runtime share one
 //! script call (each still checked against its own owner), which saves
 //! Redis the script's fixed cost per completion; a server in cluster mode
-//! refuses such a call (`CROSSSLOT`), and then each goes alone.
+//! refuses such a call (`CROSSSLOT`), and then each goes alone. On a
+//! Redis Cluster each command goes to the node that serves its key's
+//! slot, over the thread's own connection to it ([`super::cluster`]).
 //!
 //! Redis must not evict keys (an evicted claim would let a retry through):
 //! the store warns about any server whose `maxmemory-policy` is not
@@ -34,20 +36,19 @@
 
 use std::cell::RefCell;
 use std::collections::hash_map::Entry;
-use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::ThreadId;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::StreamExt;
-use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
 use socket2::TcpKeepalive;
 use tokio::sync::oneshot;
 
+use super::cluster::Cluster;
 use super::codec::{self, Decoded};
 use super::resp;
 use super::waiters::Waiters;
@@ -69,7 +70,7 @@ const CHANNEL: &str = channel!();
 /// whose state a NAT or firewall dropped, fails every command until TCP
 /// gives up, about 15 minutes. A slow Redis still acknowledges what it is
 /// sent: only a dead path trips this.
-const DEAD_PATH: Duration = Duration::from_secs(5);
+pub(super) const DEAD_PATH: Duration = Duration::from_secs(5);
 
 /// An idle connection is probed after this long, then every
 /// [`PROBE_EVERY`]: the completion subscription only ever receives, so
@@ -79,7 +80,7 @@ const DEAD_PATH: Duration = Duration::from_secs(5);
 const PROBE_AFTER: Duration = Duration::from_secs(15);
 const PROBE_EVERY: Duration = Duration::from_secs(5);
 
-fn probes() -> TcpKeepalive {
+pub(super) fn probes() -> TcpKeepalive {
     TcpKeepalive::new()
         .with_time(PROBE_AFTER)
         .with_interval(PROBE_EVERY)
@@ -405,404 +406,32 @@ impl Scripts {
 }
 
 /// How the store reaches Redis. Each thread (each worker's runtime) gets a
-/// connection of its own, made on first use there, so a request never
-/// waits on another thread's connection task. Connections are lazy, so
-/// idemgate starts while Redis is down. One server is reached through
-/// [`resp`]'s lean connection, a cluster through the redis crate's.
+/// connection of its own to each server, [`resp`]'s lean one, made on first
+/// use there, so a request never waits on another thread's connection
+/// task. Connections are lazy, so idemgate starts while Redis is down.
 enum Connection {
     Single {
         target: Arc<resp::Target>,
         connections: PerThread<resp::Connection>,
     },
-    Cluster {
-        client: Box<redis::cluster::ClusterClient>,
-        connections: PerThread<Arc<ClusterSlot>>,
-        /// How to reach a node a redirect names (see [`follow`]).
-        redirect_to: Arc<RedirectTo>,
-    },
-}
-
-/// How [`follow`] connects to a node: as to the first of the cluster's
-/// URLs (its user and password), at the node's address.
-struct RedirectTo {
-    info: redis::ConnectionInfo,
-    config: redis::AsyncConnectionConfig,
-    /// The store's timeout, for a call's answer.
-    timeout: Duration,
-    /// The addresses of the cluster's URLs, asked which node serves which
-    /// slots (see [`ClusterSlot::remap`]).
-    seeds: Vec<(String, u16)>,
-}
-
-/// Which node serves each range of slots, as `CLUSTER SLOTS` answers:
-/// first slot, last slot and the primary's address, in order.
-type SlotOwners = Vec<(i64, i64, String, i64)>;
-
-/// [`SlotOwners`] from a `CLUSTER SLOTS` answer.
-fn slot_owners(answer: &redis::Value) -> Option<SlotOwners> {
-    let redis::Value::Array(ranges) = answer else {
-        return None;
-    };
-    let text = |value: &redis::Value| match value {
-        redis::Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
-        redis::Value::SimpleString(text) => Some(text.clone()),
-        _ => None,
-    };
-    let mut owners = ranges
-        .iter()
-        .map(|range| {
-            let redis::Value::Array(range) = range else {
-                return None;
-            };
-            let (Some(redis::Value::Int(first)), Some(redis::Value::Int(last)), Some(redis::Value::Array(primary))) =
-                (range.first(), range.get(1), range.get(2))
-            else {
-                return None;
-            };
-            let (Some(host), Some(redis::Value::Int(port))) = (primary.first().and_then(text), primary.get(1)) else {
-                return None;
-            };
-            Some((*first, *last, host, *port))
-        })
-        .collect::<Option<SlotOwners>>()?;
-    owners.sort_unstable();
-    Some(owners)
-}
-
-/// A thread's cluster connection, made on first use. A connect that fails
-/// backs off as a single server's does ([`resp::Backoff`]): calls meanwhile
-/// fail at once, as not sent, instead of each trying the nodes again.
-struct ClusterSlot {
-    client: redis::cluster::ClusterClient,
-    /// The connection, once made; replaced by [`ClusterSlot::remap`].
-    connection: Mutex<Option<ClusterConnection>>,
-    /// Held while the first connection is made: the thread's other calls
-    /// wait for it instead of each connecting.
-    connecting: tokio::sync::Mutex<()>,
-    /// How [`ClusterSlot::remap`] stands.
-    remap: Mutex<Remap>,
-    /// Which node served which slots when the connection was made (or
-    /// last made anew).
-    owners: Mutex<Option<SlotOwners>>,
-    /// The connections remaps replaced, newest last, each with when: a
-    /// release goes over them too (see [`RedisStore::release`]).
-    replaced: Mutex<VecDeque<(Instant, ClusterConnection)>>,
-    backoff: Mutex<resp::Backoff>,
-    redirect_to: Arc<RedirectTo>,
-    /// A connection of the thread's own to each node a redirect has
-    /// named, by address, made on first use (see [`follow`]).
-    redirects: Mutex<HashMap<(String, u16), redis::aio::MultiplexedConnection>>,
-}
-
-/// How often, at most, a thread's cluster connection is made anew for
-/// calls that go unanswered (see [`ClusterSlot::remap`]), counted from
-/// when the last was made.
-const REMAP_EVERY: Duration = Duration::from_secs(1);
-
-/// How long a connection a remap replaced still takes releases, and how
-/// many are kept (see [`RedisStore::release`]).
-const REPLACED_KEEP: Duration = Duration::from_secs(10);
-const REPLACED_MOST: usize = 4;
-
-#[derive(Default)]
-struct Remap {
-    /// One is being made: no other starts meanwhile.
-    making: bool,
-    /// When the last was made (or failed).
-    done: Option<Instant>,
-}
-
-impl ClusterSlot {
-    fn new(client: redis::cluster::ClusterClient, redirect_to: Arc<RedirectTo>) -> ClusterSlot {
-        ClusterSlot {
-            client,
-            connection: Mutex::default(),
-            connecting: tokio::sync::Mutex::default(),
-            remap: Mutex::default(),
-            owners: Mutex::default(),
-            replaced: Mutex::default(),
-            backoff: Mutex::default(),
-            redirect_to,
-            redirects: Mutex::default(),
-        }
-    }
-
-    /// The thread's connection, made if there is none yet.
-    async fn get(self: &Arc<Self>) -> Result<ClusterConnection, StoreError> {
-        if let Some(connection) = lock(&self.connection).clone() {
-            return Ok(connection);
-        }
-        let _connecting = self.connecting.lock().await;
-        if let Some(connection) = lock(&self.connection).clone() {
-            return Ok(connection);
-        }
-        let connection = self.connect().await?;
-        *lock(&self.connection) = Some(connection.clone());
-        // Which node serves which slots now, to tell a failover by later.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let slot = self.clone();
-            runtime.spawn(async move {
-                let owners = slot.ask_owners().await;
-                lock(&slot.owners).get_or_insert_with(|| owners.unwrap_or_default());
-            });
-        }
-        Ok(connection)
-    }
-
-    /// Which node serves which slots, from whichever of the cluster's URLs
-    /// answers first (all are asked at once: one may be the node that
-    /// stopped); `None` if none does.
-    async fn ask_owners(&self) -> Option<SlotOwners> {
-        let ask = |(host, port): (String, u16)| {
-            Box::pin(async move {
-                let mut connection = self.redirect(&host, port).await.map_err(drop)?;
-                let answer = redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut connection).await;
-                match answer {
-                    Ok(answer) => slot_owners(&answer).ok_or(()),
-                    Err(error) => {
-                        if error.is_io_error() || error.is_connection_dropped() || error.is_timeout() {
-                            lock(&self.redirects).remove(&(host, port));
-                        }
-                        Err(())
-                    }
-                }
-            })
-        };
-        let asked: Vec<_> = self.redirect_to.seeds.iter().cloned().map(ask).collect();
-        if asked.is_empty() {
-            return None;
-        }
-        futures_util::future::select_ok(asked)
-            .await
-            .ok()
-            .map(|(owners, _)| owners)
-    }
-
-    /// After a call went unanswered for its timeout: its node may have
-    /// stopped (a hung process, a paused VM), and the cluster may have
-    /// failed it over to its replica since; but the client learns a new
-    /// slot map only from an error or a redirect, which a node that does
-    /// not answer never gives, so it would send that node's slots to it
-    /// until it came back. So the cluster's URLs are asked which node
-    /// serves which slots, and if that has changed since the connection
-    /// was made (a failover, a slot moved), a connection made anew reads
-    /// the map afresh. Not otherwise: one made while a node hangs has no
-    /// link to it, and would try to connect again for each call to its
-    /// slots. All in the background, one at a time and at most once every
-    /// [`REMAP_EVERY`], while calls go on over the old connection, which
-    /// is kept a while for releases.
-    fn remap(self: &Arc<Self>) {
-        {
-            let mut remap = lock(&self.remap);
-            if remap.making || remap.done.is_some_and(|at| at.elapsed() < REMAP_EVERY) {
-                return;
-            }
-            remap.making = true;
-        }
-        // Without a runtime (the process is ending) there is nothing to
-        // make it for.
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            lock(&self.remap).making = false;
-            return;
-        };
-        let slot = self.clone();
-        runtime.spawn(async move {
-            let owners = slot.ask_owners().await;
-            let changed = owners
-                .as_ref()
-                .is_some_and(|now| lock(&slot.owners).as_ref() != Some(now));
-            let made = if changed {
-                Some(slot.client.get_async_connection().await)
-            } else {
-                None
-            };
-            *lock(&slot.remap) = Remap {
-                making: false,
-                done: Some(Instant::now()),
-            };
-            match made {
-                None => {}
-                Some(Ok(connection)) => {
-                    tracing::debug!("Redis Cluster connection made anew: the slots' nodes have changed");
-                    *lock(&slot.owners) = owners;
-                    let old = lock(&slot.connection).replace(connection);
-                    let mut replaced = lock(&slot.replaced);
-                    replaced.extend(old.map(|old| (Instant::now(), old)));
-                    while replaced.len() > REPLACED_MOST {
-                        replaced.pop_front();
-                    }
-                }
-                Some(Err(error)) => tracing::debug!(%error, "the Redis Cluster connection could not be made anew"),
-            }
-        });
-    }
-
-    /// The connections remaps replaced within [`REPLACED_KEEP`]; older
-    /// ones are let go.
-    fn replaced(&self) -> Vec<ClusterConnection> {
-        let mut replaced = lock(&self.replaced);
-        while replaced.front().is_some_and(|(at, _)| at.elapsed() >= REPLACED_KEEP) {
-            replaced.pop_front();
-        }
-        replaced.iter().map(|(_, connection)| connection.clone()).collect()
-    }
-
-    /// This thread's connection to the node at `host:port`.
-    async fn redirect(&self, host: &str, port: u16) -> Result<redis::aio::MultiplexedConnection, RedisError> {
-        let address = (host.to_owned(), port);
-        if let Some(connection) = lock(&self.redirects).get(&address) {
-            return Ok(connection.clone());
-        }
-        let to = &self.redirect_to;
-        let info = to
-            .info
-            .clone()
-            .set_addr(redis::ConnectionAddr::Tcp(address.0.clone(), port));
-        let connection = redis::Client::open(info)?
-            .get_multiplexed_async_connection_with_config(&to.config)
-            .await?;
-        lock(&self.redirects).insert(address, connection.clone());
-        Ok(connection)
-    }
-
-    async fn connect(&self) -> Result<ClusterConnection, StoreError> {
-        if let Some(why) = lock(&self.backoff).waiting() {
-            return Err(StoreError::NotSent(why.into()));
-        }
-        match self.client.get_async_connection().await {
-            Ok(connection) => {
-                *lock(&self.backoff) = resp::Backoff::default();
-                Ok(connection)
-            }
-            Err(error) => {
-                let why = format!("the Redis Cluster could not be reached: {error}");
-                lock(&self.backoff).failed(why.clone());
-                Err(StoreError::NotSent(why.into()))
-            }
-        }
-    }
+    /// Each command to the node that serves its key ([`Cluster`]).
+    Cluster(Cluster),
 }
 
 /// A connection of either kind.
-enum Conn {
+enum Conn<'a> {
     Single(resp::Connection),
-    Cluster(ClusterConnection, Arc<ClusterSlot>),
+    Cluster(&'a Cluster),
 }
 
-impl Conn {
+impl Conn<'_> {
     /// Sends `command` and reads its answer as `T`.
     async fn query<T: redis::FromRedisValue>(&mut self, command: &redis::Cmd) -> Result<T, RedisError> {
         match self {
             Conn::Single(connection) => connection.query(command).await,
-            Conn::Cluster(connection, slot) => {
-                // A call given up on (its timeout, or the store's) that
-                // had waited for half its timeout: its node may be gone.
-                let mut unanswered = Unanswered {
-                    slot,
-                    since: Instant::now(),
-                    answered: false,
-                };
-                let mut retries = 0;
-                let mut redirect = None;
-                loop {
-                    let result = match &redirect {
-                        None => command.query_async(connection).await,
-                        Some(to) => follow(slot, command, to).await,
-                    };
-                    unanswered.answered = !matches!(&result, Err(error) if error.is_timeout());
-                    // As redis-rs retried (see `RedisStore::cluster`), but
-                    // for a timeout: its own covered all its tries, and the
-                    // command (a claim, a completion) may yet run.
-                    let error = match &result {
-                        Err(error) if retries < CLUSTER_RETRIES && !error.is_timeout() => error,
-                        _ => return result,
-                    };
-                    retries += 1;
-                    redirect = None;
-                    match error.retry_method() {
-                        redis::RetryMethod::NoRetry => return result,
-                        redis::RetryMethod::WaitAndRetry => tokio::time::sleep(CLUSTER_RETRY_PAUSE * retries).await,
-                        // Straight to the node named, as redis-rs did: its
-                        // slot map may not know yet.
-                        redis::RetryMethod::AskRedirect | redis::RetryMethod::MovedRedirect => {
-                            redirect = Some(error.clone());
-                        }
-                        // A connection is made again by the client before
-                        // the command goes again.
-                        _ => {}
-                    }
-                }
-            }
+            Conn::Cluster(cluster) => cluster.query(command).await,
         }
     }
-}
-
-/// Has the thread's cluster connection made anew ([`ClusterSlot::remap`])
-/// when dropped unanswered, after half the call's timeout.
-struct Unanswered<'a> {
-    slot: &'a Arc<ClusterSlot>,
-    since: Instant,
-    answered: bool,
-}
-
-impl Drop for Unanswered<'_> {
-    fn drop(&mut self) {
-        if !self.answered && self.since.elapsed() >= self.slot.redirect_to.timeout / 2 {
-            self.slot.remap();
-        }
-    }
-}
-
-/// How many times a command a cluster refused for a moment (a redirect, a
-/// dropped connection, `TRYAGAIN`) is sent again, as redis-rs's own
-/// `retries` did.
-const CLUSTER_RETRIES: u32 = 2;
-
-/// The pause before sending again a command a cluster said to try later
-/// (`TRYAGAIN`, `CLUSTERDOWN`), times the tries so far.
-const CLUSTER_RETRY_PAUSE: Duration = Duration::from_millis(50);
-
-/// Sends `command` where the redirect `error` says, on a connection to
-/// that node of the thread's own: after `MOVED` (the slot has moved there;
-/// the cluster client rebuilds its slot map meanwhile), or after `ASK`
-/// (the slot is being migrated there) with `ASKING` before it, the two as
-/// one pipeline.
-///
-/// redis-rs would follow an `ASK` itself, but sends `ASKING` and the
-/// command apart on the node's shared connection: under load another
-/// command comes between them and takes the one-shot flag, the redirected
-/// one is answered `MOVED`, and each such answer has the client rebuild
-/// its slot map, which stalled the connection. So its retries are off
-/// (see `RedisStore::cluster`), [`Conn::query`] makes them, and a redirect
-/// comes here: as one pipeline, nothing comes between the two. Not through
-/// the cluster client's own connections, which reach only the nodes that
-/// hold slots: the node a slot migrates to may be new, and hold none yet.
-async fn follow<T: redis::FromRedisValue>(
-    slot: &ClusterSlot,
-    command: &redis::Cmd,
-    error: &RedisError,
-) -> Result<T, RedisError> {
-    let node = error.redirect_node().and_then(|(node, _slot)| {
-        let (host, port) = node.rsplit_once(':')?;
-        Some((host.trim_matches(['[', ']']).to_owned(), port.parse().ok()?))
-    });
-    let Some((host, port)) = node else {
-        return Err(error.clone());
-    };
-    let mut connection = slot.redirect(&host, port).await?;
-    let mut pipeline = redis::pipe();
-    if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask) {
-        pipeline.cmd("ASKING").ignore();
-    }
-    pipeline.add_command(command.clone());
-    let answers: Result<Vec<redis::Value>, RedisError> = pipeline.query_async(&mut connection).await;
-    let mut answers = answers.inspect_err(|error| {
-        if error.is_io_error() || error.is_connection_dropped() {
-            lock(&slot.redirects).remove(&(host.clone(), port));
-        }
-    })?;
-    let answer = answers.pop().ok_or_else(|| error.clone())?.extract_error()?;
-    Ok(redis::from_redis_value(answer)?)
 }
 
 /// One value per thread, found without a lock: one map behind a mutex,
@@ -811,21 +440,14 @@ async fn follow<T: redis::FromRedisValue>(
 /// slot to a later thread, so each value is kept with the thread that
 /// made it and made again for another: a connection is tied to the
 /// runtime it was made on, which may have gone with that thread.
-struct PerThread<T: Send>(thread_local::ThreadLocal<RefCell<Option<(ThreadId, T)>>>);
+pub(super) struct PerThread<T: Send>(thread_local::ThreadLocal<RefCell<Option<(ThreadId, T)>>>);
 
 impl<T: Clone + Send> PerThread<T> {
-    fn new() -> PerThread<T> {
+    pub(super) fn new() -> PerThread<T> {
         PerThread(thread_local::ThreadLocal::new())
     }
 
-    /// This thread's value, if it has made one.
-    fn get(&self) -> Option<T> {
-        let slot = self.0.get()?.borrow();
-        let (owner, value) = slot.as_ref()?;
-        (*owner == this_thread()).then(|| value.clone())
-    }
-
-    fn get_or(&self, make: impl FnOnce() -> Result<T, RedisError>) -> Result<T, RedisError> {
+    pub(super) fn get_or(&self, make: impl FnOnce() -> Result<T, RedisError>) -> Result<T, RedisError> {
         let me = this_thread();
         let mut slot = self.0.get_or_default().borrow_mut();
         match &*slot {
@@ -1172,46 +794,22 @@ impl RedisStore {
     /// A Redis Cluster, found through any of `urls`, its records' keys
     /// under `prefix`.
     pub fn cluster(urls: &[String], prefix: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
-        let client = redis::cluster::ClusterClient::builder(urls.iter().map(String::as_str))
-            .connection_timeout(timeout)
-            .response_timeout(timeout)
-            // Retried by `Conn::query` instead, which follows redirects
-            // itself (see `follow`).
-            .retries(0)
-            .tcp_settings(tcp_settings())
-            .build()
-            .map_err(unavailable)?;
         // PUBLISH reaches every node of a cluster: subscribe to any of them.
         let nodes = urls
             .iter()
             .map(|u| open(u))
             .collect::<Result<Vec<_>, _>>()
             .map_err(unavailable)?;
-        let first = nodes
-            .first()
-            .ok_or_else(|| StoreError::NotSent("no Redis Cluster URL".into()))?;
-        let redirect_to = Arc::new(RedirectTo {
-            info: first.get_connection_info().clone(),
-            config: redis::AsyncConnectionConfig::new()
-                .set_connection_timeout(Some(timeout))
-                .set_response_timeout(Some(timeout)),
-            timeout,
-            seeds: nodes
-                .iter()
-                .filter_map(|node| match &node.get_connection_info().addr() {
-                    redis::ConnectionAddr::Tcp(host, port) | redis::ConnectionAddr::TcpTls { host, port, .. } => {
-                        Some((host.clone(), *port))
-                    }
-                    _ => None,
-                })
-                .collect(),
-        });
-        let connection = Connection::Cluster {
-            client: Box::new(client),
-            connections: PerThread::new(),
-            redirect_to,
-        };
-        Ok(RedisStore::new(connection, KeyPrefix::new(prefix), nodes))
+        if nodes.is_empty() {
+            return Err(StoreError::NotSent("no Redis Cluster URL".into()));
+        }
+        let infos: Vec<_> = nodes.iter().map(|node| node.get_connection_info().clone()).collect();
+        let cluster = Cluster::new(&infos, timeout).map_err(unavailable)?;
+        Ok(RedisStore::new(
+            Connection::Cluster(cluster),
+            KeyPrefix::new(prefix),
+            nodes,
+        ))
     }
 
     fn new(connection: Connection, prefix: KeyPrefix, subscribe_to: Vec<redis::Client>) -> RedisStore {
@@ -1243,23 +841,13 @@ impl RedisStore {
     }
 
     /// This thread's connection.
-    async fn connection(&self) -> Result<Conn, StoreError> {
+    async fn connection(&self) -> Result<Conn<'_>, StoreError> {
         match &self.connection {
             Connection::Single { target, connections } => connections
                 .get_or(|| Ok(resp::Connection::new(target.clone())))
                 .map(Conn::Single)
                 .map_err(unavailable),
-            Connection::Cluster {
-                client,
-                connections,
-                redirect_to,
-            } => {
-                let slot = connections
-                    .get_or(|| Ok(Arc::new(ClusterSlot::new((**client).clone(), redirect_to.clone()))))
-                    .map_err(unavailable)?;
-                let connection = slot.get().await?;
-                Ok(Conn::Cluster(connection, slot))
-            }
+            Connection::Cluster(cluster) => Ok(Conn::Cluster(cluster)),
         }
     }
 
@@ -1342,7 +930,7 @@ impl RedisStore {
 
     /// [`RedisStore::eval_on`] on `connection`, with Redis's own error.
     async fn eval_with<T: redis::FromRedisValue>(
-        connection: &mut Conn,
+        connection: &mut Conn<'_>,
         script: &Lua,
         keys: &[&[u8]],
         args: &[&[u8]],
@@ -1575,39 +1163,6 @@ impl RedisStore {
         Ok(result.map_err(unavailable)? == Some(1))
     }
 
-    /// A release goes behind the claim it undoes on the same connection
-    /// (see `StoreHandle::see_through`), so a node that was slow reads the
-    /// claim first. A claim may have gone over a cluster connection that a
-    /// remap has since replaced ([`ClusterSlot::remap`]): the release is
-    /// also sent over each of those, in the background, answered or not
-    /// (it only ever removes this owner's claim).
-    fn release_behind_replaced(&self, key: &RecordKey, owner: Owner) {
-        let Connection::Cluster { connections, .. } = &self.connection else {
-            return;
-        };
-        // A thread that has made no connection has replaced none.
-        let Some(slot) = connections.get() else {
-            return;
-        };
-        let replaced = slot.replaced();
-        if replaced.is_empty() {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let script = self.scripts.release.clone();
-        let (redis_key, token) = (self.redis_key(key), codec::owner_bytes(owner));
-        for connection in replaced {
-            let (slot, script, redis_key) = (slot.clone(), script.clone(), redis_key.clone());
-            runtime.spawn(async move {
-                let mut connection = Conn::Cluster(connection, slot);
-                let _: Result<Option<i64>, _> =
-                    Self::eval_with(&mut connection, &script, &[redis_key.as_bytes()], &[&token]).await;
-            });
-        }
-    }
-
     /// Runs `script` if `owner` holds the claim on `key`; `args` follow the
     /// owner token.
     async fn owned(&self, script: &Lua, key: &RecordKey, owner: Owner, args: &[&[u8]]) -> Result<bool, StoreError> {
@@ -1707,7 +1262,6 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
-        self.release_behind_replaced(key, owner);
         self.owned(&self.scripts.release, key, owner, &[]).await
     }
 

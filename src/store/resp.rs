@@ -1,6 +1,7 @@
 //! A lean connection to one Redis server, for the Redis store's commands.
 //!
-//! Each worker thread has one (see `RedisStore`). A command is written into
+//! Each worker thread has one to each server (see `RedisStore`; on a
+//! Redis Cluster, to each node, see `cluster`). A command is written into
 //! the connection's outgoing buffer and a slot for its answer queued behind
 //! the others, both under one lock that only that thread takes on the way
 //! of a request; a writer task sends whatever has gathered in one write,
@@ -32,8 +33,8 @@
 //! URL asks, else `PING`), so a server that refuses it (a wrong password,
 //! no such database, its client limit reached) fails the connect, never a
 //! store command, which the store could take for a refusal of that
-//! command. Clusters and the completion subscription keep the redis
-//! crate's connections.
+//! command. The completion subscription keeps the redis crate's
+//! connection.
 
 use std::collections::VecDeque;
 use std::io;
@@ -202,6 +203,19 @@ impl Connection {
         Ok(redis::from_redis_value(value.extract_error()?)?)
     }
 
+    /// [`Connection::query`] with `ASKING` before it, the two written
+    /// together: nothing comes between them to take the one-shot flag
+    /// (`ASKING` lets the node a slot migrates to take a command for it).
+    pub async fn query_asking<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
+        let asking = self.send(&redis::cmd("ASKING"))?;
+        let answer = self.send(command)?;
+        drop(asking);
+        let value = answer
+            .await
+            .map_err(|_| broken("the Redis connection was dropped".to_owned()))??;
+        Ok(redis::from_redis_value(value.extract_error()?)?)
+    }
+
     /// Queues `command`, connecting first when there is no connection.
     fn send(&self, command: &Cmd) -> RedisResult<oneshot::Receiver<RedisResult<Value>>> {
         let (slot, answer) = oneshot::channel();
@@ -257,8 +271,8 @@ impl Connection {
 /// each to at most 1 s; calls meanwhile fail at once, as not sent, so a
 /// Redis that is down (or a host that refuses it) meets a connect from
 /// each thread a few times a second at most rather than one per request,
-/// and a Redis back again is used within a second. A single server's
-/// connection and a thread's cluster connection each keep one.
+/// and a Redis back again is used within a second. Each connection keeps
+/// one, and so does a cluster's first look at its slot map.
 #[derive(Default)]
 pub(super) struct Backoff {
     failed: u32,
@@ -425,7 +439,7 @@ fn broken(detail: String) -> RedisError {
 /// The error of a command that was never written to Redis, so never run:
 /// the redis crate's kind for errors "identified on the client before
 /// execution".
-fn not_sent(detail: String) -> RedisError {
+pub(super) fn not_sent(detail: String) -> RedisError {
     RedisError::from((ErrorKind::Client, "not sent to Redis", detail))
 }
 
