@@ -36,6 +36,7 @@ use redis::{Cmd, ConnectionAddr, ConnectionInfo, FromRedisValue, RedisError, Red
 
 use super::redis::{DEAD_PATH, PerThread, probes};
 use super::{lock, resp};
+use crate::clock::coarse_now;
 
 /// A Redis Cluster's hash slots.
 const SLOTS: usize = 16384;
@@ -58,33 +59,44 @@ type Node = (String, u16);
 /// first slot, last slot and the primary's address, in order.
 pub(super) type SlotOwners = Vec<(i64, i64, String, i64)>;
 
-/// [`SlotOwners`] from a `CLUSTER SLOTS` answer.
-pub(super) fn slot_owners(answer: &Value) -> Option<SlotOwners> {
+/// [`SlotOwners`] from a `CLUSTER SLOTS` answer of the node at `asked`.
+/// A primary named with no address of its own (`NULL` when its endpoint
+/// type is `unknown-endpoint`, empty, or `0.0.0.0` or `::`) is the node
+/// asked's host; a range whose primary is named `?` (a hostname endpoint
+/// with no hostname set) has none.
+pub(super) fn slot_owners(answer: &Value, asked: &str) -> Option<SlotOwners> {
     let Value::Array(ranges) = answer else {
         return None;
     };
-    let text = |value: &Value| match value {
-        Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
-        Value::SimpleString(text) => Some(text.clone()),
-        _ => None,
-    };
-    let mut owners = ranges
-        .iter()
-        .map(|range| {
-            let Value::Array(range) = range else {
-                return None;
-            };
-            let (Some(Value::Int(first)), Some(Value::Int(last)), Some(Value::Array(primary))) =
-                (range.first(), range.get(1), range.get(2))
-            else {
-                return None;
-            };
-            let (Some(host), Some(Value::Int(port))) = (primary.first().and_then(text), primary.get(1)) else {
-                return None;
-            };
-            Some((*first, *last, host, *port))
+    let host = |value: Option<&Value>| {
+        let name = match value? {
+            Value::BulkString(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+            Value::SimpleString(text) => text.clone(),
+            Value::Nil => String::new(),
+            _ => return None,
+        };
+        Some(match name.as_str() {
+            "" | "0.0.0.0" | "::" => asked.to_owned(),
+            _ => name,
         })
-        .collect::<Option<SlotOwners>>()?;
+    };
+    let mut owners = SlotOwners::new();
+    for range in ranges {
+        let Value::Array(range) = range else {
+            return None;
+        };
+        let (Some(Value::Int(first)), Some(Value::Int(last)), Some(Value::Array(primary))) =
+            (range.first(), range.get(1), range.get(2))
+        else {
+            return None;
+        };
+        let (Some(host), Some(Value::Int(port))) = (host(primary.first()), primary.get(1)) else {
+            return None;
+        };
+        if host != "?" {
+            owners.push((*first, *last, host, *port));
+        }
+    }
     owners.sort_unstable();
     Some(owners)
 }
@@ -131,8 +143,14 @@ impl SlotMap {
         map
     }
 
+    /// The index in `nodes` of the node that serves `slot`.
+    fn index(&self, slot: u16) -> Option<usize> {
+        let index = *self.slots.get(usize::from(slot))?;
+        (index != NO_NODE).then_some(usize::from(index))
+    }
+
     fn node(&self, slot: u16) -> Option<&Node> {
-        self.nodes.get(usize::from(*self.slots.get(usize::from(slot))?))
+        self.nodes.get(self.index(slot)?)
     }
 }
 
@@ -141,7 +159,7 @@ pub(super) struct Cluster {
     /// The first URL's: how every node is reached (its user, password and
     /// database), at the node's own address.
     template: Box<ConnectionInfo>,
-    /// The store's timeout: a connect's, and a map request's.
+    /// The store's timeout: a command's, and a map request's.
     timeout: Duration,
     /// The URLs' addresses, always asked for the map.
     seeds: Vec<Node>,
@@ -185,11 +203,37 @@ struct Refresh {
     backoff: resp::Backoff,
 }
 
+/// Marks a look at the map finished when dropped: at its end, or when its
+/// task is dropped unfinished (a runtime shutting down).
+struct Running(Arc<Maps>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        lock(&self.0.refresh).running = false;
+    }
+}
+
 /// A thread's map and connections.
 struct Thread {
     generation: u64,
     map: Arc<SlotMap>,
+    /// The connection to each node of `map`, by its index there, once made.
+    by_index: Vec<Option<resp::Connection>>,
+    /// Every connection, by node: those of the map, the URLs' and those to
+    /// nodes redirects named.
     connections: HashMap<Node, resp::Connection>,
+}
+
+impl Thread {
+    /// Takes up `map`, and lets go of the connections to nodes neither it
+    /// nor `seeds` name.
+    fn take_up(&mut self, map: Arc<SlotMap>, generation: u64, seeds: &[Node]) {
+        self.connections
+            .retain(|node, _| map.nodes.contains(node) || seeds.contains(node));
+        self.by_index = map.nodes.iter().map(|n| self.connections.get(n).cloned()).collect();
+        self.map = map;
+        self.generation = generation;
+    }
 }
 
 impl Cluster {
@@ -224,32 +268,37 @@ impl Cluster {
     /// Sends `command` to the node that serves its key and reads its
     /// answer as `T`, following a redirect at once (`ASK` with `ASKING`
     /// before the command, the two written together) and sending again
-    /// after a refusal for a moment (`TRYAGAIN`, `CLUSTERDOWN`, a dropped
-    /// connection), up to [`RETRIES`] times in all; never after a node
-    /// left it unanswered for `store.timeout` (a timer of its own), when
-    /// the command may yet run.
+    /// after a refusal for a moment (`TRYAGAIN`, `CLUSTERDOWN`, `READONLY`,
+    /// a dropped connection), up to [`RETRIES`] times in all; never after
+    /// a node left it unanswered, for `store.timeout` (a timer of each
+    /// try's own) or until the connection's own timeout, when the command
+    /// may yet run.
     pub(super) async fn query<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
         let slot = key_of(command)
             .map(slot_of)
             .ok_or_else(|| resp::not_sent("a command to a Redis Cluster names no key".to_owned()))?;
         let mut unanswered = Unanswered {
             cluster: self,
-            since: Instant::now(),
+            since: coarse_now(),
             answered: false,
         };
         let mut retries = 0;
         let mut redirect: Option<(Node, bool)> = None;
         loop {
-            let attempt = async {
-                match redirect.take() {
-                    None => self.owner(slot).await?.query(command).await,
-                    Some((node, true)) => self.connection(&node).query_asking(command).await,
-                    Some((node, false)) => self.connection(&node).query(command).await,
+            let (connection, asking) = match &redirect {
+                None => (self.owner(slot).await?, false),
+                Some((node, asking)) => (self.connection(node), *asking),
+            };
+            let sent = async {
+                if asking {
+                    connection.query_asking(command).await
+                } else {
+                    connection.query(command).await
                 }
             };
             // A timer of its own, as the store's deadline does not always
             // end the call: a claim that outlives it is seen through.
-            let Ok(result) = tokio::time::timeout(self.timeout, attempt).await else {
+            let Ok(result) = tokio::time::timeout(self.timeout, sent).await else {
                 return Err(RedisError::from(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     "the Redis Cluster node did not answer within store.timeout",
@@ -260,35 +309,38 @@ impl Cluster {
                 return result;
             };
             let method = error.retry_method();
-            let asking = error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask);
+            let ask = error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask);
             // Anything but an `ASK` (a slot migrating, as the map says) or
             // a plain refusal of the command may mean a new map.
-            if (!asking && !matches!(method, redis::RetryMethod::NoRetry)) || error.kind() == redis::ErrorKind::Client {
+            let plain = matches!(method, redis::RetryMethod::NoRetry);
+            if (!ask && !plain) || error.kind() == redis::ErrorKind::Client || error.is_timeout() {
                 self.refresh_soon();
             }
-            if retries == RETRIES {
+            if retries == RETRIES || error.is_timeout() {
                 return result;
             }
             retries += 1;
+            let from = redirect.take();
             match method {
                 redis::RetryMethod::NoRetry => return result,
-                redis::RetryMethod::WaitAndRetry => tokio::time::sleep(RETRY_PAUSE * retries).await,
                 // `READONLY`: the node is a replica now, failed over.
-                redis::RetryMethod::RefreshSlotsAndRetry => {
-                    if let Some(owners) = first_answer(self.asks(), self.timeout).await {
-                        self.maps.take(owners);
-                    }
+                redis::RetryMethod::WaitAndRetry | redis::RetryMethod::RefreshSlotsAndRetry => {
+                    tokio::time::sleep(RETRY_PAUSE * retries).await
                 }
                 redis::RetryMethod::AskRedirect | redis::RetryMethod::MovedRedirect => {
-                    let Some(node) = redirect_node(error) else {
+                    // A node with no address of its own to give names none.
+                    let from = from
+                        .map(|(node, _)| node.0)
+                        .or_else(|| self.thread_node(slot).map(|n| n.0));
+                    let Some(node) = redirect_node(error, from.as_deref().unwrap_or_default()) else {
                         return result;
                     };
-                    redirect = Some((node, asking));
+                    redirect = Some((node, ask));
                 }
                 // A dropped connection, made again by the next command.
                 _ => {}
             }
-            unanswered.since = Instant::now();
+            unanswered.since = coarse_now();
             unanswered.answered = false;
         }
     }
@@ -301,19 +353,37 @@ impl Cluster {
         }
         let thread = self.thread();
         let mut thread = lock(&thread);
-        let generation = self.maps.generation.load(Ordering::Acquire);
-        if thread.generation != generation {
-            thread.map = lock(&self.maps.map).clone();
-            thread.generation = generation;
-        }
-        let Some(node) = thread.map.node(slot).cloned() else {
+        self.take_up(&mut thread);
+        let Some(index) = thread.map.index(slot) else {
             drop(thread);
             self.refresh_soon();
             return Err(resp::not_sent(format!(
                 "no node of the Redis Cluster serves hash slot {slot}"
             )));
         };
-        Ok(self.connection_in(&mut thread, &node))
+        if let Some(connection) = &thread.by_index[index] {
+            return Ok(connection.clone());
+        }
+        let node = thread.map.nodes[index].clone();
+        let connection = self.connection_in(&mut thread, &node);
+        thread.by_index[index] = Some(connection.clone());
+        Ok(connection)
+    }
+
+    /// Brings `thread` up to the map in use.
+    fn take_up(&self, thread: &mut Thread) {
+        let generation = self.maps.generation.load(Ordering::Acquire);
+        if thread.generation != generation {
+            let map = lock(&self.maps.map).clone();
+            thread.take_up(map, generation, &self.seeds);
+        }
+    }
+
+    /// The node that serves `slot` in this thread's map.
+    fn thread_node(&self, slot: u16) -> Option<Node> {
+        let thread = self.thread();
+        let thread = lock(&thread);
+        thread.map.node(slot).cloned()
     }
 
     /// This thread's connection to `node`, made on first use.
@@ -344,6 +414,7 @@ impl Cluster {
                 Ok(Arc::new(Mutex::new(Thread {
                     generation: 0,
                     map: Arc::new(SlotMap::empty()),
+                    by_index: Vec::new(),
                     connections: HashMap::new(),
                 })))
             })
@@ -363,15 +434,13 @@ impl Cluster {
             return Err(resp::not_sent(why));
         }
         match first_answer(self.asks(), self.timeout).await {
-            Some(owners) => {
+            Ok(owners) => {
                 self.maps.install(owners);
                 lock(&self.maps.refresh).backoff = resp::Backoff::default();
                 Ok(())
             }
-            None => {
-                let why = "the Redis Cluster could not be reached: no node answered which node serves \
-                           which slots"
-                    .to_owned();
+            Err(why) => {
+                let why = format!("the Redis Cluster could not be reached: {why}");
                 lock(&self.maps.refresh).backoff.failed(why.clone());
                 Err(resp::not_sent(why))
             }
@@ -390,76 +459,90 @@ impl Cluster {
             refresh.running = true;
             refresh.at = Some(Instant::now());
         }
+        let running = Running(self.maps.clone());
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            lock(&self.maps.refresh).running = false;
             return;
         };
-        let (asks, maps, timeout) = (self.asks(), self.maps.clone(), self.timeout);
+        let (asks, timeout) = (self.asks(), self.timeout);
         runtime.spawn(async move {
-            if let Some(owners) = first_answer(asks, timeout).await {
-                maps.take(owners);
+            if let Ok(owners) = first_answer(asks, timeout).await {
+                running.0.take(owners);
             }
-            lock(&maps.refresh).running = false;
+            drop(running);
         });
     }
 
     /// This thread's connections to each URL and each node of the map, to
-    /// ask for the map.
-    fn asks(&self) -> Vec<resp::Connection> {
+    /// ask for the map, with their nodes' hosts.
+    fn asks(&self) -> Vec<(String, resp::Connection)> {
         let mut nodes = self.seeds.clone();
         for node in &lock(&self.maps.map).nodes {
             if !nodes.contains(node) {
                 nodes.push(node.clone());
             }
         }
-        nodes.iter().map(|node| self.connection(node)).collect()
+        nodes
+            .into_iter()
+            .map(|node| {
+                let connection = self.connection(&node);
+                (node.0, connection)
+            })
+            .collect()
     }
 }
 
 /// The map from whichever of `asks` answers `CLUSTER SLOTS` first, within
-/// `timeout`; `None` if none does.
-async fn first_answer(asks: Vec<resp::Connection>, timeout: Duration) -> Option<SlotOwners> {
+/// `timeout`; else why none did (the last refusal or failure).
+async fn first_answer(asks: Vec<(String, resp::Connection)>, timeout: Duration) -> Result<SlotOwners, String> {
     let asks: Vec<_> = asks
         .into_iter()
-        .map(|connection| {
+        .map(|(host, connection)| {
             Box::pin(async move {
                 let command = redis::cmd("CLUSTER").arg("SLOTS").clone();
-                let ask = connection.query(&command);
-                let answer: Value = tokio::time::timeout(timeout, ask).await.map_err(drop)?.map_err(drop)?;
-                slot_owners(&answer).ok_or(())
+                let answer: Value = tokio::time::timeout(timeout, connection.query(&command))
+                    .await
+                    .map_err(|_| "no node answered which node serves which slots".to_owned())?
+                    .map_err(|error| resp::unquoted(&error.to_string()).into_owned())?;
+                slot_owners(&answer, &host).ok_or_else(|| "CLUSTER SLOTS answered outside its form".to_owned())
             })
         })
         .collect();
     if asks.is_empty() {
-        return None;
+        return Err("no Redis Cluster URL".to_owned());
     }
-    futures_util::future::select_ok(asks)
-        .await
-        .ok()
-        .map(|(owners, _)| owners)
+    futures_util::future::select_ok(asks).await.map(|(owners, _)| owners)
 }
 
 /// Asks for the map again when dropped unanswered after half the store's
 /// timeout: its node may have stopped, and the cluster failed it over.
 struct Unanswered<'a> {
     cluster: &'a Cluster,
-    since: Instant,
+    since: tokio::time::Instant,
     answered: bool,
 }
 
 impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
-        if !self.answered && self.since.elapsed() >= self.cluster.timeout / 2 {
+        if !self.answered && coarse_now().saturating_duration_since(self.since) >= self.cluster.timeout / 2 {
             self.cluster.refresh_soon();
         }
     }
 }
 
-/// The node a `MOVED` or `ASK` redirect names.
-fn redirect_node(error: &RedisError) -> Option<Node> {
+/// The node a `MOVED` or `ASK` redirect names; a redirect that names no
+/// host (from a node whose endpoint type is `unknown-endpoint`) names one
+/// on `from`, the host of the node that sent it.
+fn redirect_node(error: &RedisError, from: &str) -> Option<Node> {
     let (node, _slot) = error.redirect_node()?;
     let (host, port) = node.rsplit_once(':')?;
-    Some((host.trim_matches(['[', ']']).to_owned(), port.parse().ok()?))
+    let host = match host.trim_matches(['[', ']']) {
+        "" => from,
+        host => host,
+    };
+    if host.is_empty() {
+        return None;
+    }
+    Some((host.to_owned(), port.parse().ok()?))
 }
 
 /// The key a command acts on: the first, for the commands the store sends
@@ -552,5 +635,65 @@ mod tests {
         assert_eq!(map.nodes.len(), 2);
         let gap = SlotMap::new(vec![(0, 99, "127.0.0.1".into(), 7000)]);
         assert_eq!(gap.node(100), None);
+    }
+
+    /// A look at the map that never starts, or whose task a runtime
+    /// shutting down drops, does not keep every later one from starting.
+    #[test]
+    fn a_look_at_the_map_left_unfinished_is_not_left_running() {
+        let url = redis::IntoConnectionInfo::into_connection_info("redis://127.0.0.1:1").unwrap();
+        let cluster = Cluster::new(&[url], Duration::from_millis(100)).unwrap();
+        let running = || lock(&cluster.maps.refresh).running;
+        cluster.refresh_soon();
+        assert!(!running(), "with no runtime to run it");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            lock(&cluster.maps.refresh).at = None;
+            cluster.refresh_soon();
+            assert!(running());
+        });
+        drop(runtime);
+        assert!(!running(), "its task dropped unfinished");
+    }
+
+    fn parsed(resp: &[u8]) -> Value {
+        redis::parse_redis_value(resp).unwrap()
+    }
+
+    /// A primary named with no address of its own is the node asked; one
+    /// named `?` serves nothing, as the redis crate read them.
+    #[test]
+    fn a_slot_map_names_each_primary_by_an_address_to_reach() {
+        let answer = parsed(
+            b"*4\r\n\
+              *3\r\n:0\r\n:99\r\n*2\r\n$9\r\n127.0.0.2\r\n:7000\r\n\
+              *3\r\n:100\r\n:199\r\n*2\r\n$-1\r\n:7001\r\n\
+              *3\r\n:200\r\n:299\r\n*2\r\n$0\r\n\r\n:7002\r\n\
+              *3\r\n:300\r\n:399\r\n*2\r\n$1\r\n?\r\n:7003\r\n",
+        );
+        let owners = slot_owners(&answer, "10.0.0.1").unwrap();
+        assert_eq!(
+            owners,
+            vec![
+                (0, 99, "127.0.0.2".to_owned(), 7000),
+                (100, 199, "10.0.0.1".to_owned(), 7001),
+                (200, 299, "10.0.0.1".to_owned(), 7002),
+            ]
+        );
+        assert_eq!(slot_owners(&parsed(b"$2\r\nno\r\n"), "10.0.0.1"), None);
+    }
+
+    #[test]
+    fn a_redirect_with_no_host_names_the_node_that_sent_it() {
+        let redirect = |resp: &[u8]| parsed(resp).extract_error().unwrap_err();
+        let moved = redirect(b"-MOVED 3999 127.0.0.3:6381\r\n");
+        assert_eq!(redirect_node(&moved, "10.0.0.1"), Some(("127.0.0.3".to_owned(), 6381)));
+        let bare = redirect(b"-MOVED 3999 :6380\r\n");
+        assert_eq!(redirect_node(&bare, "10.0.0.1"), Some(("10.0.0.1".to_owned(), 6380)));
+        let ask = redirect(b"-ASK 3999 ::1:6382\r\n");
+        assert_eq!(redirect_node(&ask, ""), Some(("::1".to_owned(), 6382)));
     }
 }

@@ -196,28 +196,28 @@ impl Connection {
     /// Sends `command` and reads its answer as `T`; an error answer is an
     /// `Err` of its kind (`NOSCRIPT`, ...).
     pub async fn query<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
-        let answer = self.send(command)?;
+        let answer = self.send(None, command)?;
         let value = answer
             .await
             .map_err(|_| broken("the Redis connection was dropped".to_owned()))??;
         Ok(redis::from_redis_value(value.extract_error()?)?)
     }
 
-    /// [`Connection::query`] with `ASKING` before it, the two written
-    /// together: nothing comes between them to take the one-shot flag
-    /// (`ASKING` lets the node a slot migrates to take a command for it).
+    /// [`Connection::query`] with `ASKING` before it, the two queued
+    /// together (or neither): nothing comes between them to take the
+    /// one-shot flag (`ASKING` lets the node a slot migrates to take a
+    /// command for it).
     pub async fn query_asking<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
-        let asking = self.send(&redis::cmd("ASKING"))?;
-        let answer = self.send(command)?;
-        drop(asking);
+        let answer = self.send(Some(&redis::cmd("ASKING")), command)?;
         let value = answer
             .await
             .map_err(|_| broken("the Redis connection was dropped".to_owned()))??;
         Ok(redis::from_redis_value(value.extract_error()?)?)
     }
 
-    /// Queues `command`, connecting first when there is no connection.
-    fn send(&self, command: &Cmd) -> RedisResult<oneshot::Receiver<RedisResult<Value>>> {
+    /// Queues `command`, after `before` if given (whose answer is let go),
+    /// connecting first when there is no connection.
+    fn send(&self, before: Option<&Cmd>, command: &Cmd) -> RedisResult<oneshot::Receiver<RedisResult<Value>>> {
         let (slot, answer) = oneshot::channel();
         let mut state = lock(&self.shared.state);
         if state.waiting.len() >= MAX_WAITING {
@@ -246,6 +246,11 @@ impl Connection {
                 false
             }
         };
+        if let Some(before) = before {
+            before.write_packed_command(&mut state.out);
+            state.waiting.push_back(oneshot::channel().0);
+            state.unsent += 1;
+        }
         command.write_packed_command(&mut state.out);
         state.waiting.push_back(slot);
         state.unsent += 1;
@@ -894,8 +899,10 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let connection = connection_to(listener.local_addr().unwrap());
         let ping = redis::cmd("PING");
-        let held: Vec<_> = (0..MAX_WAITING).map(|_| connection.send(&ping).unwrap()).collect();
-        assert!(connection.send(&ping).is_err());
+        let held: Vec<_> = (0..MAX_WAITING)
+            .map(|_| connection.send(None, &ping).unwrap())
+            .collect();
+        assert!(connection.send(None, &ping).is_err());
 
         let (mut peer, _) = listener.accept().await.unwrap();
         let packed = ping.get_packed_command();
@@ -915,8 +922,8 @@ mod tests {
     async fn commands_given_up_before_they_are_written_are_still_sent() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let connection = connection_to(listener.local_addr().unwrap());
-        let first = connection.send(&echo("first")).unwrap();
-        let kept = connection.send(&echo("kept")).unwrap();
+        let first = connection.send(None, &echo("first")).unwrap();
+        let kept = connection.send(None, &echo("kept")).unwrap();
 
         let (mut peer, _) = listener.accept().await.unwrap();
         receive(&mut peer, &redis::cmd("PING").get_packed_command()).await;
@@ -1008,7 +1015,7 @@ mod tests {
         let first = runtime();
         let answer = {
             let _inside = first.enter();
-            connection.send(&redis::cmd("PING")).unwrap()
+            connection.send(None, &redis::cmd("PING")).unwrap()
         };
         drop(first);
         let second = runtime();
@@ -1022,7 +1029,7 @@ mod tests {
     #[test]
     fn a_command_sent_outside_a_runtime_fails_and_changes_nothing() {
         let connection = connection_to(pinged_peer());
-        assert!(connection.send(&redis::cmd("PING")).is_err());
+        assert!(connection.send(None, &redis::cmd("PING")).is_err());
         assert_eq!(ping(&runtime(), &connection), "PONG");
     }
 
@@ -1035,7 +1042,7 @@ mod tests {
     ) -> (Connection, oneshot::Receiver<RedisResult<Value>>, tokio::net::TcpStream) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let connection = connection_at(&format!("redis://{login}{}/{db}", listener.local_addr().unwrap()));
-        let answer = connection.send(&redis::cmd("PING")).unwrap();
+        let answer = connection.send(None, &redis::cmd("PING")).unwrap();
         let (peer, _) = listener.accept().await.unwrap();
         (connection, answer, peer)
     }
