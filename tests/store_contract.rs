@@ -1377,6 +1377,33 @@ async fn redis_cluster_calls_to_other_nodes_go_on_while_one_hangs_and_a_slot_mov
     assert!(failed.is_empty(), "{} of 216 claims failed: {failed:?}", failed.len());
 }
 
+/// A release that outlives its deadline (Redis stalled, as when its claim
+/// went unanswered) still lands once Redis answers, though Redis lost its
+/// scripts meanwhile (a restart, a failover): sent by its hash, it was
+/// answered NOSCRIPT with nobody left to send it whole, and the key stayed
+/// claimed for its lease (a probe saw 48 keys so after a pause).
+#[tokio::test]
+async fn redis_a_late_release_lands_on_a_server_that_lost_the_script() {
+    let server = support::redis::RedisServer::start();
+    let redis = Arc::new(RedisStore::single(&server.url(), "idemgate", Duration::from_secs(2)).unwrap());
+    let store = StoreHandle::new(redis, Duration::from_millis(300));
+    let (k, owner) = (key(), Owner::new());
+    store.claim(&k, &A, owner, LONG, None).await.unwrap();
+    server.cli(&["script", "flush"]).unwrap();
+    server.cli(&["client", "pause", "1000", "all"]).unwrap();
+    assert!(matches!(store.release(&k, owner).await, Err(StoreError::Timeout(_))));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while server
+        .cli(&["exists", &format!("idemgate:{{{}}}", hex::encode(k.0))])
+        .unwrap()
+        .trim()
+        != "0"
+    {
+        assert!(Instant::now() < deadline, "the claim was never released");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Resumes a paused server when dropped, as a failed assertion unwinds.
 struct Resume<'a>(&'a support::redis::RedisServer);
 

@@ -860,7 +860,7 @@ impl RedisStore {
     /// [`RedisStore::eval`] on several keys. A script the server lacks is
     /// sent with `EVAL`, which goes where the keys do and caches it there,
     /// in one round trip; `SCRIPT LOAD` would go to every node of a
-    /// cluster (redis-rs asks them all to succeed), then `EVALSHA` again.
+    /// cluster, then `EVALSHA` again.
     async fn eval_on<T: redis::FromRedisValue>(
         &self,
         script: &Lua,
@@ -1262,7 +1262,20 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
-        self.owned(&self.scripts.release, key, owner, &[]).await
+        // Sent whole (`EVAL`), not by its hash: a release is often sent to
+        // a Redis that stalled (its claim unanswered), and lands late, after
+        // its caller gave up at the store's deadline. By its hash, to a
+        // server that lost the script meanwhile (a restart, a failover),
+        // it would be answered NOSCRIPT with nobody left to send it whole,
+        // and the key would stay claimed for its lease. Releases are rare,
+        // and the script short.
+        let token = codec::owner_bytes(owner);
+        let redis_key = self.redis_key(key);
+        let release = script_command("EVAL", &self.scripts.release.text, &[redis_key.as_bytes()], &[&token]);
+        let mut connection = self.connection().await?;
+        let done: Result<Option<i64>, RedisError> = connection.query(&release).await;
+        self.note_scripts(done.as_ref().err());
+        Ok(done.map_err(unavailable)? == Some(1))
     }
 
     async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {
