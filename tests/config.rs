@@ -516,6 +516,16 @@ fn store_paths_and_urls_are_checked_before_anything_is_bound() {
             "store.urls",
             "cannot name one Redis Cluster",
         ),
+        (
+            "backend = \"redis\"\nurls = [\"redis://127.0.0.1:7000/1\", \"redis://127.0.0.1:7001/2\"]",
+            "store.urls",
+            "cannot name one Redis Cluster (different databases)",
+        ),
+        (
+            "backend = \"redis\"\nurls = [\"redis://127.0.0.1:7000\", \"redis+unix:///tmp/redis.sock\"]",
+            "store.urls",
+            "cannot name one Redis Cluster (a Unix socket",
+        ),
     ] {
         let error = Config::parse(&format!("{base}{store}\n"), "x.toml")
             .unwrap_err()

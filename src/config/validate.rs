@@ -646,12 +646,11 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         StoreBackend::RedisCluster { urls } => {
             let problems = c.problems.len();
             urls.iter().for_each(|url| redis_url(&mut c, "store.urls", url));
-            // Each a Redis URL, and together one cluster's: the same
-            // password and database, no Unix socket.
+            // Each a Redis URL, and together one cluster's.
             if c.problems.len() == problems
-                && let Err(error) = redis::cluster::ClusterClient::new(urls.iter().map(String::as_str))
+                && let Some(why) = not_one_cluster(urls)
             {
-                c.problem("store.urls", format!("cannot name one Redis Cluster ({error})"));
+                c.problem("store.urls", format!("cannot name one Redis Cluster ({why})"));
             }
         }
         _ => {}
@@ -799,6 +798,34 @@ fn key_prefix(prefix: &str) -> Result<String, String> {
         ));
     }
     Ok(prefix.to_owned())
+}
+
+/// Why `urls`, each a Redis URL, cannot name one Redis Cluster, if they
+/// cannot: every node is reached with the first URL's user, password and
+/// database, at the TCP address the cluster names it by.
+fn not_one_cluster(urls: &[String]) -> Option<&'static str> {
+    use redis::IntoConnectionInfo;
+    let infos: Vec<_> = urls
+        .iter()
+        .filter_map(|url| url.as_str().into_connection_info().ok())
+        .collect();
+    let first = infos.first()?.redis_settings();
+    for info in &infos {
+        let settings = info.redis_settings();
+        if matches!(info.addr(), redis::ConnectionAddr::Unix(_)) {
+            return Some("a Unix socket: a cluster names its nodes by TCP address");
+        }
+        if settings.password() != first.password() {
+            return Some("different passwords");
+        }
+        if settings.username() != first.username() {
+            return Some("different users");
+        }
+        if settings.db() != first.db() {
+            return Some("different databases");
+        }
+    }
+    None
 }
 
 fn redis_url(c: &mut Checker, field: &str, url: &str) {
