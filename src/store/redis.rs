@@ -361,7 +361,8 @@ if string.byte(v, 2) ~= 0 then return 1 end
 ";
 
 /// A Lua script: run by its SHA-1 (`EVALSHA`), and sent whole (`EVAL`,
-/// which also caches it) to a server that does not have it yet.
+/// which also caches it) to a server that does not have it yet; the
+/// release always whole (see [`RedisStore`]'s `release`).
 #[derive(Clone)]
 struct Lua {
     hash: String,
@@ -841,7 +842,7 @@ impl RedisStore {
     }
 
     /// This thread's connection.
-    async fn connection(&self) -> Result<Conn<'_>, StoreError> {
+    fn connection(&self) -> Result<Conn<'_>, StoreError> {
         match &self.connection {
             Connection::Single { target, connections } => connections
                 .get_or(|| Ok(resp::Connection::new(target.clone())))
@@ -867,7 +868,7 @@ impl RedisStore {
         keys: &[&[u8]],
         args: &[&[u8]],
     ) -> Result<T, StoreError> {
-        let mut connection = self.connection().await?;
+        let mut connection = self.connection()?;
         let result = Self::eval_with(&mut connection, script, keys, args).await;
         self.note_scripts(result.as_ref().err());
         result.map_err(unavailable)
@@ -882,7 +883,7 @@ impl RedisStore {
         key: &[u8],
         args: &[&[u8]],
     ) -> Result<T, StoreError> {
-        let mut connection = self.connection().await?;
+        let mut connection = self.connection()?;
         let result = Self::eval_with(&mut connection, script, &[key], args).await;
         self.note_scripts(result.as_ref().err());
         self.memory.note(result.as_ref().err());
@@ -976,7 +977,7 @@ impl RedisStore {
             .arg("PX")
             .arg(lease)
             .arg("GET");
-        let mut connection = self.connection().await?;
+        let mut connection = self.connection()?;
         match connection.query::<Option<Vec<u8>>>(&command).await {
             Ok(found) => Ok(found),
             Err(error) if refuses_nx_get(&error) => {
@@ -1085,7 +1086,7 @@ impl RedisStore {
             self.complete_alone(batch.pop().expect("one")).await;
             return;
         }
-        let mut connection = match self.connection().await {
+        let mut connection = match self.connection() {
             Ok(connection) => connection,
             Err(error) => return fail(batch, &cause(&error)),
         };
@@ -1150,7 +1151,7 @@ impl RedisStore {
     async fn complete_one(&self, key: &RecordKey, owner: Owner, record: &[u8], ttl: &str) -> Result<bool, StoreError> {
         let token = codec::owner_bytes(owner);
         let redis_key = self.redis_key(key);
-        let mut connection = self.connection().await?;
+        let mut connection = self.connection()?;
         let args: [&[u8]; 3] = [&token, record, ttl.as_bytes()];
         let result: Result<Option<i64>, RedisError> =
             Self::eval_with(&mut connection, &self.scripts.complete, &[redis_key.as_bytes()], &args).await;
@@ -1272,7 +1273,7 @@ impl Store for RedisStore {
         let token = codec::owner_bytes(owner);
         let redis_key = self.redis_key(key);
         let release = script_command("EVAL", &self.scripts.release.text, &[redis_key.as_bytes()], &[&token]);
-        let mut connection = self.connection().await?;
+        let mut connection = self.connection()?;
         let done: Result<Option<i64>, RedisError> = connection.query(&release).await;
         self.note_scripts(done.as_ref().err());
         Ok(done.map_err(unavailable)? == Some(1))
@@ -1332,7 +1333,7 @@ impl Store for RedisStore {
         let redis_key = self.redis_key(key);
         let mut read = redis::cmd("GET");
         read.arg(redis_key.as_bytes());
-        let found: Option<Vec<u8>> = self.connection().await?.query(&read).await.map_err(unavailable)?;
+        let found: Option<Vec<u8>> = self.connection()?.query(&read).await.map_err(unavailable)?;
         match found {
             None => Ok(false),
             Some(record) => self.purge_exact(&redis_key, &record).await,
