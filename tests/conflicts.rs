@@ -186,7 +186,7 @@ async fn a_key_reused_while_in_flight_gets_422_and_the_same_request_409() {
         let (client, url) = (client.clone(), url.clone());
         async move { client.post(&url, "k", r#"{"sku":1}"#).await }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    upstream.reached(1).await;
     let same = client.post(&url, "k", r#"{"sku":1}"#).await;
     assert_eq!(same.status, StatusCode::CONFLICT);
     assert_eq!(same.problem(), "request-in-flight");
@@ -253,7 +253,7 @@ wait_timeout = "300ms"
         let (client, url) = (client.clone(), url.clone());
         async move { client.post(&url, "slow", "{}").await }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    upstream.reached(1).await;
     let started = tokio::time::Instant::now();
     let waiter = client.post(&url, "slow", "{}").await;
     assert_eq!(waiter.status, StatusCode::CONFLICT);

@@ -232,7 +232,7 @@ async fn a_fail_once_backend_is_retried_then_replayed() {
 
 #[tokio::test]
 async fn a_slow_request_renews_its_lease_and_keeps_its_claim() {
-    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_secs(3))).await;
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_secs(5))).await;
     let proxy = Proxy::start(
         &upstream.url(),
         r#"
@@ -241,7 +241,7 @@ timeout = "10s"
 [[route]]
 name = "orders"
 path = "/v1/orders"
-lock_timeout = "1s"
+lock_timeout = "2s"
 "#,
     )
     .await;
@@ -251,8 +251,9 @@ lock_timeout = "1s"
         let (client, url) = (client.clone(), url.clone());
         async move { client.post(&url, "slow", "{}").await }
     });
+    // Retries at 1.25 s and 2.5 s, the second past the first lease.
     for _ in 0..2 {
-        tokio::time::sleep(Duration::from_millis(1000)).await;
+        tokio::time::sleep(Duration::from_millis(1250)).await;
         let retry = client.post(&url, "slow", "{}").await;
         assert_eq!(
             retry.status,
@@ -287,12 +288,20 @@ async fn a_client_that_hangs_up_mid_request_loses_no_record_and_leaves_no_claim(
         let _ = tokio::time::timeout(Duration::from_millis(wait), stream.read(&mut buf)).await;
         drop(stream);
     }
-    tokio::time::sleep(Duration::from_millis(1000)).await;
     let client = TestClient::default();
+    // 409 while the exchange the client left still runs (under a second).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     for (key, hit) in [("before-head", 1), ("mid-body", 2)] {
-        let retry = client
-            .send("POST", &proxy.url("/v1/orders"), &[("idempotency-key", key)], "{}")
-            .await;
+        let retry = loop {
+            let retry = client
+                .send("POST", &proxy.url("/v1/orders"), &[("idempotency-key", key)], "{}")
+                .await;
+            if retry.status != StatusCode::CONFLICT {
+                break retry;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{key}: still in flight");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
         assert_eq!(retry.status, StatusCode::CREATED, "{key}: {}", retry.text());
         assert!(retry.replayed(), "{key}");
         assert_eq!(retry.text(), format!("order {hit}; done"));

@@ -391,26 +391,30 @@ async fn a_body_that_stops_coming_is_cut_off() {
 #[tokio::test]
 async fn an_idle_connection_closes_a_timeout_after_its_last_answer() {
     let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
-    let proxy = Proxy::start(&upstream.url(), "[server]\nheader_read_timeout = \"400ms\"\n").await;
+    let proxy = Proxy::start(&upstream.url(), "[server]\nheader_read_timeout = \"1s\"\n").await;
     let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let mut answered = tokio::time::Instant::now();
     for path in ["/a", "/b", "/c"] {
         stream
             .write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
             .await
             .unwrap();
         read_until(&mut stream, r#""order":"#).await;
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        answered = tokio::time::Instant::now();
+        tokio::time::sleep(Duration::from_millis(600)).await;
     }
-    // 250 ms of the 400 ms have passed since the last answer.
-    let started = tokio::time::Instant::now();
     let mut rest = Vec::new();
     tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut rest))
         .await
         .expect("the idle connection was left open")
         .unwrap();
-    let waited = started.elapsed();
-    assert!(waited >= Duration::from_millis(100), "closed early: {waited:?}");
-    assert!(waited < Duration::from_millis(1000), "{waited:?}");
+    // Counted from the last answer's reading, which comes after its
+    // writing: a timer of an earlier wait (600 ms earlier at least) would
+    // close it within 400 ms of it, the right one 1 s after the answer was
+    // written, so at 700 ms unless that answer took 300 ms to be read.
+    let waited = answered.elapsed();
+    assert!(waited >= Duration::from_millis(700), "closed early: {waited:?}");
+    assert!(waited < Duration::from_millis(3000), "{waited:?}");
     assert!(rest.is_empty());
 }
 
@@ -485,17 +489,17 @@ async fn a_slow_but_steady_http2_request_body_is_read_whole() {
     let upstream = Upstream::start(|hit, seen| Reply::status(201, &format!("{hit}:{}", seen.body.len()))).await;
     let proxy = Proxy::start(
         &upstream.url(),
-        &format!("[server]\nheader_read_timeout = \"300ms\"\n{}", support::ORDERS),
+        &format!("[server]\nheader_read_timeout = \"1s\"\n{}", support::ORDERS),
     )
     .await;
     for (url, key) in [(proxy.url("/v1/orders"), "steady"), (proxy.url("/elsewhere"), "")] {
         type Item = Result<http_body::Frame<bytes::Bytes>, std::convert::Infallible>;
-        // Eight frames 100 ms apart: 800 ms in all, past the 300 ms bound.
+        // Eight frames 250 ms apart: 2 s in all, past the 1 s bound.
         let frames = futures_util::stream::unfold(0, |sent| async move {
             if sent == 8 {
                 return None;
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(Duration::from_millis(250)).await;
             let frame: Item = Ok(http_body::Frame::data(bytes::Bytes::from_static(b"0123456789")));
             Some((frame, sent + 1))
         });
@@ -676,7 +680,7 @@ async fn a_slow_http2_reader_gets_its_whole_answer() {
     .await;
     let proxy = Proxy::start(
         &upstream.url(),
-        &format!("[server]\nheader_read_timeout = \"300ms\"\n{}", support::ORDERS),
+        &format!("[server]\nheader_read_timeout = \"1s\"\n{}", support::ORDERS),
     )
     .await;
     let client = Client::builder(TokioExecutor::new())
@@ -699,14 +703,14 @@ async fn a_slow_http2_reader_gets_its_whole_answer() {
         .await
         .unwrap();
     // The replay: one whole frame, handed to hyper at once, then read at
-    // 16 KiB per 100 ms, about 1.3 s: longer than the idle bound thrice.
+    // 16 KiB per 250 ms, about 3.2 s: longer than the idle bound thrice.
     let replay = client.request(post()).await.unwrap();
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     let mut body = replay.into_body();
     let mut got = 0;
     while let Some(frame) = body.frame().await {
         got += frame.expect("the answer was cut").into_data().map_or(0, |d| d.len());
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(250)).await;
     }
     assert_eq!(got, big.len());
 }

@@ -197,7 +197,7 @@ async fn a_reload_adds_a_route_and_leaves_requests_in_flight_alone() {
 /// held by whichever of eight workers took it.
 #[tokio::test]
 async fn the_admin_listener_answers_until_every_worker_has_drained() {
-    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(1500))).await;
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(3000))).await;
     let config = format!(
         "[server]\nworkers = 8\n[store]\nbackend = \"memory\"\n{}",
         support::ORDERS
@@ -213,7 +213,7 @@ async fn the_admin_listener_answers_until_every_worker_has_drained() {
         assert!(tokio::time::Instant::now() < deadline, "the request never arrived");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // The answer comes 1.5 s after the request arrived: until well before
+    // The answer comes 3 s after the request arrived: until well before
     // then, the drain is still on.
     let answered = tokio::time::Instant::now() + Duration::from_millis(1200);
     gate.signal("TERM");
@@ -318,7 +318,7 @@ async fn sighup_reloads_the_file_and_keeps_the_old_one_when_the_new_is_broken() 
 #[tokio::test]
 async fn shutdown_drains_requests_and_exchanges_whose_clients_left() {
     let _ = captured();
-    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(700))).await;
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(1500))).await;
     let proxy = Proxy::start(&upstream.url(), support::ORDERS).await;
     let store = proxy.store.clone();
     let client = TestClient::default();
@@ -331,7 +331,7 @@ async fn shutdown_drains_requests_and_exchanges_whose_clients_left() {
         let (client, url) = (client.clone(), proxy.url("/v1/orders"));
         async move { client.post(&url, "left", "").await }
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    upstream.reached(2).await;
     left.abort();
     let started = tokio::time::Instant::now();
     let admin = proxy.admin.unwrap();
@@ -621,11 +621,12 @@ async fn operators_look_up_and_purge_records_behind_a_token() {
     assert!(!again.replayed(), "purged: the next request runs again");
 
     // A stuck claim, purged, frees the key at once.
+    let hits = upstream.hits();
     tokio::spawn({
         let (client, url) = (client.clone(), proxy.url("/v1/orders?stuck"));
         async move { client.send("POST", &url, &[("idempotency-key", "stuck")], "").await }
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    upstream.reached(hits + 1).await;
     let stuck = format!("http://{}/records?route=orders&key=stuck", proxy.admin.unwrap());
     let doc: serde_json::Value = serde_json::from_slice(&client.send("GET", &stuck, &auth, "").await.body).unwrap();
     assert_eq!(doc["state"], "in_flight");
@@ -807,7 +808,7 @@ async fn metrics_count_every_outcome_by_route() {
     let _ = captured();
     let upstream = Upstream::start(|hit, seen| {
         if seen.uri.contains("slow") {
-            Reply::created(hit).delayed(Duration::from_millis(400))
+            Reply::created(hit).delayed(Duration::from_millis(1500))
         } else if seen.uri.contains("fail") {
             Reply::Reset {
                 delay: Duration::from_millis(10),
@@ -856,11 +857,12 @@ on_upstream_failure = "unknown"
         let _ = stream.read_to_end(&mut Vec::new()).await; // upstream_error
     }
     client.send("GET", &url(""), &[], "").await; // passthrough (the route's path, another method)
+    let hits = upstream.hits();
     let slow = tokio::spawn({
         let (client, url) = (client.clone(), url("?slow"));
         async move { client.send("POST", &url, &[("idempotency-key", "e")], "").await }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    upstream.reached(hits + 1).await;
     client.send("POST", &url("?slow"), &key("e"), "").await; // in_flight
     slow.await.unwrap();
     let metrics = client

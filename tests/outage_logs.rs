@@ -36,9 +36,7 @@ async fn a_store_outage_logs_a_line_a_second_not_one_a_request() {
         let refused = client.post(&proxy.url("/v1/outage"), &format!("k{n}"), "{}").await;
         assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE, "{}", refused.text());
     }
-    assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
     let first = lines("store claim failed");
-    assert_eq!(first.len(), 1, "{first:?}");
     assert!(
         first[0].contains("Connection refused") && first[0].contains("suppressed=0"),
         "{first:?}"
@@ -47,9 +45,24 @@ async fn a_store_outage_logs_a_line_a_second_not_one_a_request() {
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let refused = client.post(&proxy.url("/v1/outage"), "later", "{}").await;
     assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
-    let both = lines("store claim failed");
-    assert_eq!(both.len(), 2, "{both:?}");
-    assert!(both[1].contains("suppressed=19"), "{both:?}");
+    // A line a second at most (two here, unless a loaded host made the
+    // twenty take over a second), each counting those held back since the
+    // one before: all 21 failures told, none twice.
+    let all = lines("store claim failed");
+    let seconds = started.elapsed().as_secs() as usize;
+    assert!((2..=seconds + 1).contains(&all.len()), "{seconds} s: {all:?}");
+    let told: usize = all
+        .iter()
+        .map(|line| {
+            let count = line.split("suppressed=").nth(1).expect("a count of those held back");
+            1 + count
+                .split(|c: char| !c.is_ascii_digit())
+                .next()
+                .and_then(|n| n.parse::<usize>().ok())
+                .expect("a number")
+        })
+        .sum();
+    assert_eq!(told, 21, "{all:?}");
     let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
     assert!(!text.contains("releasing an abandoned claim failed"), "{text}");
     assert_eq!(upstream.hits(), 0);

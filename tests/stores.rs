@@ -235,7 +235,7 @@ async fn a_waiter_on_one_replica_is_woken_by_the_other_on_a_cluster() {
         let (client, url) = (client.clone(), a.url("/v1/orders"));
         async move { client.post(&url, "w", "{}").await }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    upstream.reached(1).await;
     let started = Instant::now();
     let waiter = client.post(&b.url("/v1/orders"), "w", "{}").await;
     let waited = started.elapsed();
@@ -243,7 +243,7 @@ async fn a_waiter_on_one_replica_is_woken_by_the_other_on_a_cluster() {
     assert!(waiter.replayed());
     assert_eq!(first.await.unwrap().body, waiter.body);
     // A re-check would come a second after the wait began; the message
-    // comes when the first request completes, ~300 ms in.
+    // comes when the first request completes, ~400 ms in.
     assert!(
         waited < Duration::from_millis(1000),
         "woken by a re-check, not a message: {waited:?}"
@@ -562,16 +562,17 @@ async fn a_replica_killed_mid_request_holds_the_key_until_its_lease_runs_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_the_store_did_not_take_is_retried_until_it_lands() {
     let redis = RedisServer::start();
-    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(300))).await;
+    let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(1000))).await;
     let proxy = Proxy::start_with_store(&upstream.url(), ROUTE, redis_store(&redis.url())).await;
     let client = TestClient::default();
     let first = tokio::spawn({
         let (client, url) = (client.clone(), proxy.url("/v1/orders"));
         async move { client.post(&url, "paused", "{}").await }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    // Writes stall for 2.5 s: the completion at 300 ms times out (1 s).
-    assert!(redis.cli(&["client", "pause", "2500", "write"]).is_some());
+    upstream.reached(1).await;
+    // Writes stall for 3.5 s: the completion a second after the claim
+    // times out (1 s), and the answer goes out with it still held.
+    assert!(redis.cli(&["client", "pause", "3500", "write"]).is_some());
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     // The claim the retried completion holds is counted as held.
     let claims_held = || async {
@@ -716,22 +717,37 @@ async fn an_unreachable_cluster_is_not_tried_again_at_once() {
         assert!(matches!(claim, Err(StoreError::NotSent(_))), "{claim:?}");
         format!("{claim:?}")
     };
+    let mut sent = std::time::Instant::now();
     let first = claim().await;
     assert!(
         first.contains("could not be reached") && !first.contains("next attempt"),
         "{first}"
     );
-    let second = claim().await;
-    assert!(
-        second.contains("could not be reached") && second.contains("next attempt"),
-        "{second}"
-    );
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The back-off is 25 ms after the first failure, doubling: a claim
+    // sent within it of the failed one's sending must not try the nodes. A
+    // claim that came later (a loaded host) says nothing, and the next is
+    // judged against the doubled back-off.
+    let mut backoff = Duration::from_millis(25);
+    let held = 'tries: {
+        for _ in 0..5 {
+            let failed = sent;
+            sent = std::time::Instant::now();
+            let next = claim().await;
+            assert!(next.contains("could not be reached"), "{next}");
+            if next.contains("next attempt") {
+                break 'tries true;
+            }
+            assert!(sent - failed >= backoff, "tried again at once: {next}");
+            backoff *= 2;
+        }
+        false
+    };
+    assert!(held, "no claim came within a back-off: the host is too loaded to tell");
+    // Past the longest back-off (a second), the nodes are tried again.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     let third = claim().await;
     assert!(!third.contains("next attempt"), "{third}");
 }
-
-const LEASE_1S: &str = "lock_timeout = \"1s\"\n";
 
 /// A proxy on a Redis of its own, store calls bounded by `store_timeout`,
 /// `route_extra` added to the route; one request answered, then Redis's
@@ -793,8 +809,10 @@ async fn runs_in_the_end(client: &TestClient, proxy: &Proxy, key: &str, meanwhil
 /// retry runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_answered_after_half_its_lease_is_refused_and_released() {
-    // Writes stall for 0.7 s: the claim is answered after half its 1 s lease.
-    let (_redis, upstream, proxy, client, _) = paused_after_one(Duration::from_secs(3), LEASE_1S, "700").await;
+    // Writes stall for 1.8 s: the claim, sent within 0.8 s of the pause's
+    // start, is answered after half its 2 s lease.
+    let (_redis, upstream, proxy, client, _) =
+        paused_after_one(Duration::from_secs(3), "lock_timeout = \"2s\"\n", "1800").await;
     let late = client.post(&proxy.url("/v1/orders"), "late", "{}").await;
     assert_eq!(late.status, StatusCode::SERVICE_UNAVAILABLE, "{}", late.text());
     assert_eq!(late.problem(), "store-unavailable");
@@ -810,17 +828,18 @@ async fn a_claim_answered_after_half_its_lease_is_refused_and_released() {
 /// lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_unanswered_for_a_lease_is_released_all_the_same() {
-    // Writes stall for 2.5 s: the claim times out at 1 s, is seen through
-    // for its 1 s lease, and is taken at 2.5 s with a lease to 3.5 s.
-    let (_redis, upstream, proxy, client, paused_at) = paused_after_one(Duration::from_secs(1), LEASE_1S, "2500").await;
+    // Writes stall for 4.5 s: the claim times out at 1 s, is seen through
+    // for its 3 s lease, and is taken at 4.5 s with a lease to 7.5 s.
+    let (_redis, upstream, proxy, client, paused_at) =
+        paused_after_one(Duration::from_secs(1), "lock_timeout = \"3s\"\n", "4500").await;
     let stalled = client.post(&proxy.url("/v1/orders"), "stalled", "{}").await;
     assert_eq!(stalled.status, StatusCode::SERVICE_UNAVAILABLE, "{}", stalled.text());
-    while paused_at.elapsed() < Duration::from_millis(2700) {
+    while paused_at.elapsed() < Duration::from_millis(4700) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // 503 while a worker's connection is still catching up, never 409;
-    // before 3.4 s, ahead of the stalled claim's own lease freeing the key.
-    let deadline = paused_at + Duration::from_millis(3400);
+    // before 7.4 s, ahead of the stalled claim's own lease freeing the key.
+    let deadline = paused_at + Duration::from_millis(7400);
     runs_in_the_end(&client, &proxy, "stalled", StatusCode::SERVICE_UNAVAILABLE, deadline).await;
     assert_eq!(upstream.hits(), 2);
 }

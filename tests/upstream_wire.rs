@@ -946,7 +946,7 @@ async fn bodies_of_unknown_length_go_upstream_chunked() {
 
 #[tokio::test]
 async fn a_connection_idle_past_idle_timeout_is_not_reused() {
-    let (upstream, proxy) = behind_proxy("[upstream]\nidle_timeout = \"300ms\"\n").await;
+    let (upstream, proxy) = behind_proxy("[upstream]\nidle_timeout = \"1s\"\n").await;
     let client = TestClient::default();
     let get = || {
         let (client, url) = (client.clone(), proxy.url("/length"));
@@ -958,12 +958,12 @@ async fn a_connection_idle_past_idle_timeout_is_not_reused() {
     assert_eq!(get().await, "length");
     assert_eq!(upstream.connections.load(Ordering::SeqCst), 1, "idle 100 ms: reused");
 
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(1600)).await;
     assert_eq!(get().await, "length");
     assert_eq!(
         upstream.connections.load(Ordering::SeqCst),
         2,
-        "idle 600 ms, past the 300 ms idle_timeout: a new connection"
+        "idle 1.6 s, past the 1 s idle_timeout: a new connection"
     );
 }
 

@@ -202,6 +202,21 @@ impl Upstream {
         self.hits.load(Ordering::SeqCst)
     }
 
+    /// Once `n` requests have reached the upstream (counted as each
+    /// arrives, before any delay of its answer): for a test that needs a
+    /// request in flight, however slowly a loaded host got it there.
+    pub async fn reached(&self, n: usize) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while self.hits() < n {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{} of {n} requests came",
+                self.hits()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     pub fn seen(&self) -> Vec<Seen> {
         self.seen.lock().unwrap().clone()
     }
