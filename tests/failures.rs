@@ -251,7 +251,9 @@ lock_timeout = "2s"
         let (client, url) = (client.clone(), url.clone());
         async move { client.post(&url, "slow", "{}").await }
     });
-    // Retries at 1.25 s and 2.5 s, the second past the first lease.
+    // Retries 1.25 s and 2.5 s after the claim (made before the upstream
+    // has the request), the second past the first lease.
+    upstream.reached(1).await;
     for _ in 0..2 {
         tokio::time::sleep(Duration::from_millis(1250)).await;
         let retry = client.post(&url, "slow", "{}").await;

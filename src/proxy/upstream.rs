@@ -1261,6 +1261,14 @@ mod tests {
         assert!(quiet.usable(Duration::from_secs(4)));
     }
 
+    /// A quiet connection idle past `idle_timeout` is not reused, whether
+    /// or not the sweep has come by yet.
+    #[tokio::test]
+    async fn a_connection_idle_past_its_timeout_is_not_reused() {
+        let (mut idle, _peer) = idle_conn(|_| {}).await;
+        assert!(!idle.usable(ASK_THE_KERNEL_AFTER));
+    }
+
     /// A pooled connection the upstream reset a moment ago, before the
     /// runtime looked at it again, refuses the request's first write: not
     /// a byte left, so even a POST under `OnStale::Fail` (a claimed one)
