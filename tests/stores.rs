@@ -752,6 +752,101 @@ async fn an_unreachable_cluster_is_not_tried_again_at_once() {
     assert!(!third.contains("next attempt"), "{third}");
 }
 
+/// A Redis Cluster node of the test's own, on `listener`: it answers
+/// `CLUSTER SLOTS` after `delay` with every slot served by the node on
+/// `owner`, `PING` with `PONG` and anything else with an error, and notes
+/// every command it reads.
+fn fake_node(listener: std::net::TcpListener, owner: u16, delay: Duration) -> Arc<std::sync::Mutex<Vec<String>>> {
+    use std::io::{BufRead, Write};
+    fn command(reader: &mut impl BufRead) -> Option<Vec<String>> {
+        let mut line = String::new();
+        reader.read_line(&mut line).ok()?;
+        let count: usize = line.trim_end().strip_prefix('*')?.parse().ok()?;
+        let mut args = Vec::new();
+        for _ in 0..count {
+            line.clear();
+            reader.read_line(&mut line).ok()?;
+            let len: usize = line.trim_end().strip_prefix('$')?.parse().ok()?;
+            let mut arg = vec![0; len + 2];
+            reader.read_exact(&mut arg).ok()?;
+            args.push(String::from_utf8_lossy(&arg[..len]).into_owned());
+        }
+        Some(args)
+    }
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let noted = seen.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let noted = noted.clone();
+            std::thread::spawn(move || {
+                let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+                while let Some(args) = command(&mut reader) {
+                    let line = args.join(" ");
+                    noted.lock().unwrap().push(line.clone());
+                    let answer = match line.to_ascii_uppercase().as_str() {
+                        "PING" => "+PONG\r\n".to_owned(),
+                        "CLUSTER SLOTS" => {
+                            std::thread::sleep(delay);
+                            format!("*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:{owner}\r\n")
+                        }
+                        _ => "-ERR a node of the test's own\r\n".to_owned(),
+                    };
+                    if stream.write_all(answer.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    seen
+}
+
+/// A node whose slot map the others do not share does not decide where
+/// claims go by answering first: a primary that resumes after a pause
+/// answers at once with its view from before the cluster failed it over,
+/// and claims sent by it would land on a node about to drop them. Here the
+/// first node answers at once that it serves every slot, and the other
+/// two, 30 ms later, that the second does: the claim goes to the second.
+#[tokio::test]
+async fn a_node_whose_map_the_others_do_not_share_is_outvoted() {
+    use idemgate::store::{Fingerprint, Owner, RecordKey};
+    let listeners: Vec<_> = (0..3)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let ports: Vec<u16> = listeners.iter().map(|l| l.local_addr().unwrap().port()).collect();
+    let seen: Vec<_> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(node, listener)| match node {
+            0 => fake_node(listener, ports[0], Duration::ZERO),
+            _ => fake_node(listener, ports[1], Duration::from_millis(30)),
+        })
+        .collect();
+    let urls: Vec<String> = ports.iter().map(|port| format!("redis://127.0.0.1:{port}")).collect();
+    let store = StoreHandle::new(
+        Arc::new(RedisStore::cluster(&urls, "idemgate", Duration::from_secs(2)).unwrap()),
+        Duration::from_secs(2),
+    );
+    // The nodes answer it with an error: only where it went matters.
+    let _ = store
+        .claim(
+            &RecordKey([3; 32]),
+            &Fingerprint([3; 32]),
+            Owner::new(),
+            Duration::from_secs(30),
+            None,
+        )
+        .await;
+    let keyed = |node: usize| {
+        let seen = seen[node].lock().unwrap();
+        seen.iter().filter(|command| command.contains("idemgate:{")).count()
+    };
+    assert!(keyed(1) >= 1, "{:?}", seen[1].lock().unwrap());
+    assert_eq!(keyed(0), 0, "{:?}", seen[0].lock().unwrap());
+    assert_eq!(keyed(2), 0);
+}
+
 /// A proxy on a Redis of its own, store calls bounded by `store_timeout`,
 /// `route_extra` added to the route; one request answered, then Redis's
 /// writes paused for `pause_ms`. With when the pause began.

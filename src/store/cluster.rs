@@ -3,8 +3,9 @@
 //! [`resp`] connection to that node.
 //!
 //! Which node serves which slots is asked of the cluster (`CLUSTER
-//! SLOTS`, of every URL given and every node known, all at once, the first
-//! answer taken) before the first command, and again in the background
+//! SLOTS`, of every URL given and every node known, all at once, the map
+//! most answer with taken: see [`agreed_answer`]) before the first
+//! command, and again in the background
 //! when a call says the map may have changed: a redirect, a refusal for a
 //! slot no node serves, a node that cannot be reached, or a call given up
 //! unanswered after half the store's timeout (a node that stops answering
@@ -433,7 +434,7 @@ impl Cluster {
         if let Some(why) = lock(&self.maps.refresh).backoff.waiting() {
             return Err(resp::not_sent(why));
         }
-        match first_answer(self.asks(), self.timeout).await {
+        match agreed_answer(self.asks(), self.timeout).await {
             Ok(owners) => {
                 self.maps.install(owners);
                 lock(&self.maps.refresh).backoff = resp::Backoff::default();
@@ -465,7 +466,7 @@ impl Cluster {
         };
         let (asks, timeout) = (self.asks(), self.timeout);
         runtime.spawn(async move {
-            if let Ok(owners) = first_answer(asks, timeout).await {
+            if let Ok(owners) = agreed_answer(asks, timeout).await {
                 running.0.take(owners);
             }
             drop(running);
@@ -491,26 +492,100 @@ impl Cluster {
     }
 }
 
-/// The map from whichever of `asks` answers `CLUSTER SLOTS` first, within
-/// `timeout`; else why none did (the last refusal or failure).
-async fn first_answer(asks: Vec<(String, resp::Connection)>, timeout: Duration) -> Result<SlotOwners, String> {
-    let asks: Vec<_> = asks
-        .into_iter()
-        .map(|(host, connection)| {
-            Box::pin(async move {
-                let command = redis::cmd("CLUSTER").arg("SLOTS").clone();
-                let answer: Value = tokio::time::timeout(timeout, connection.query(&command))
-                    .await
-                    .map_err(|_| "no node answered which node serves which slots".to_owned())?
-                    .map_err(|error| resp::unquoted(&error.to_string()).into_owned())?;
-                slot_owners(&answer, &host).ok_or_else(|| "CLUSTER SLOTS answered outside its form".to_owned())
-            })
-        })
-        .collect();
+/// How long, after the first answer, a look at the map waits for more
+/// nodes to agree with it (or not): nodes on one network answer within a
+/// millisecond or two of each other.
+const AGREE_WITHIN: Duration = Duration::from_millis(100);
+
+/// The map that most of `asks` answer `CLUSTER SLOTS` with, within
+/// `timeout`; else why none answered (the last refusal or failure).
+///
+/// Not simply the first answer: a primary that resumes after a pause (a
+/// stopped process, a frozen VM) answers at once with its view from before
+/// the cluster failed it over, until the others tell it, and claims sent
+/// by that view would land on a node about to drop them. The answers are
+/// tallied as they come, until one map has more than half the nodes asked
+/// behind it, or every node has answered or failed, or [`AGREE_WITHIN`]
+/// has passed since the first answer; then the map most answered with
+/// (the first to come of those tied) is taken.
+async fn agreed_answer(asks: Vec<(String, resp::Connection)>, timeout: Duration) -> Result<SlotOwners, String> {
+    use futures_util::StreamExt;
+
     if asks.is_empty() {
         return Err("no Redis Cluster URL".to_owned());
     }
-    futures_util::future::select_ok(asks).await.map(|(owners, _)| owners)
+    let mut tally = Tally::new(asks.len());
+    let mut answers: futures_util::stream::FuturesUnordered<_> = asks
+        .into_iter()
+        .map(|(host, connection)| async move {
+            let command = redis::cmd("CLUSTER").arg("SLOTS").clone();
+            let answer: Value = connection
+                .query(&command)
+                .await
+                .map_err(|error| resp::unquoted(&error.to_string()).into_owned())?;
+            slot_owners(&answer, &host).ok_or_else(|| "CLUSTER SLOTS answered outside its form".to_owned())
+        })
+        .collect();
+    let mut why = "no node answered which node serves which slots".to_owned();
+    let mut deadline = tokio::time::Instant::now() + timeout;
+    while let Ok(Some(answer)) = tokio::time::timeout_at(deadline, answers.next()).await {
+        match answer {
+            Ok(owners) => {
+                if tally.is_empty() {
+                    deadline = deadline.min(tokio::time::Instant::now() + AGREE_WITHIN);
+                }
+                if let Some(agreed) = tally.add(owners) {
+                    return Ok(agreed);
+                }
+            }
+            Err(error) => why = error,
+        }
+    }
+    tally.most().ok_or(why)
+}
+
+/// The maps nodes answered with, and how many answered each.
+struct Tally {
+    asked: usize,
+    maps: Vec<(SlotOwners, usize)>,
+}
+
+impl Tally {
+    fn new(asked: usize) -> Tally {
+        Tally {
+            asked,
+            maps: Vec::new(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.maps.is_empty()
+    }
+
+    /// Counts one more node's answer: the map, once more than half the
+    /// nodes asked have answered with it.
+    fn add(&mut self, owners: SlotOwners) -> Option<SlotOwners> {
+        let votes = match self.maps.iter_mut().find(|(map, _)| *map == owners) {
+            Some((_, votes)) => {
+                *votes += 1;
+                *votes
+            }
+            None => {
+                self.maps.push((owners.clone(), 1));
+                1
+            }
+        };
+        (votes * 2 > self.asked).then_some(owners)
+    }
+
+    /// The map most answered with; of those tied, the first to come.
+    fn most(self) -> Option<SlotOwners> {
+        let top = self.maps.iter().map(|(_, votes)| *votes).max()?;
+        self.maps
+            .into_iter()
+            .find(|(_, votes)| *votes == top)
+            .map(|(map, _)| map)
+    }
 }
 
 /// Asks for the map again when dropped unanswered after half the store's
@@ -635,6 +710,32 @@ mod tests {
         assert_eq!(map.nodes.len(), 2);
         let gap = SlotMap::new(vec![(0, 99, "127.0.0.1".into(), 7000)]);
         assert_eq!(gap.node(100), None);
+    }
+
+    #[test]
+    fn the_map_most_nodes_answer_with_is_taken() {
+        let map = |port| vec![(0, 16383, "127.0.0.1".to_owned(), port)];
+        // Six nodes asked; the first to answer alone in its view.
+        let mut tally = Tally::new(6);
+        assert_eq!(tally.add(map(7000)), None);
+        for _ in 0..3 {
+            assert_eq!(tally.add(map(7001)), None);
+        }
+        assert_eq!(tally.add(map(7001)), Some(map(7001)), "four of six");
+        // Fewer answered than half: the map most answered with, the first
+        // to come of those tied.
+        let mut tally = Tally::new(6);
+        tally.add(map(7000));
+        tally.add(map(7001));
+        tally.add(map(7001));
+        assert_eq!(tally.most(), Some(map(7001)));
+        let mut tally = Tally::new(6);
+        tally.add(map(7002));
+        tally.add(map(7000));
+        assert_eq!(tally.most(), Some(map(7002)));
+        assert_eq!(Tally::new(3).most(), None);
+        // One node asked: its answer is the map.
+        assert_eq!(Tally::new(1).add(map(7000)), Some(map(7000)));
     }
 
     /// A look at the map that never starts, or whose task a runtime
