@@ -112,6 +112,26 @@ async fn the_binary_logs_plain_text_or_json_lines_and_never_secrets() {
     }
 }
 
+/// An empty `RUST_LOG` (`Environment=RUST_LOG=` under systemd, an unset
+/// variable in a compose file) is no filter, not one that hides every
+/// line; one that does not parse is warned of. Either way the default's
+/// lines are written (the binary is up once it says it serves).
+#[tokio::test]
+async fn an_empty_or_unreadable_rust_log_logs_at_the_default() {
+    let upstream = Upstream::created().await;
+    let config = format!("[store]\nbackend = \"memory\"\n{}", support::ORDERS);
+    for spec in ["", "idemgate=verbose"] {
+        let gate = Binary::start_with_env(&upstream.url(), &config, &[("RUST_LOG", spec)]).await;
+        let log = gate.log();
+        assert_eq!(log.matches("idemgate serving").count(), 1, "{spec:?}: {log}");
+        assert_eq!(
+            log.contains("RUST_LOG=\"idemgate=verbose\" is not a log filter"),
+            !spec.is_empty(),
+            "{log}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn shadow_mode_logs_what_enforce_would_have_done_with_the_key_hashed() {
     let logs = captured();

@@ -125,30 +125,53 @@ pub const DEFAULT_FILTER: &str = "info,redis=error";
 /// says, unless it names them itself.
 const QUOTING: [&str; 1] = ["h2"];
 
-/// The log filter of `RUST_LOG`'s value, `spec` ([`DEFAULT_FILTER`]
-/// without one, or when it does not parse), with the [`QUOTING`]
-/// libraries held at INFO at most: where `spec`'s level for all targets
-/// is DEBUG or TRACE, they get a directive of their own, `h2=info`,
-/// unless `spec` gives them one (a directive for a module of theirs,
-/// `h2::codec=trace`, holds there, and the cap holds in the rest).
-fn filter(spec: Option<&str>) -> tracing_subscriber::EnvFilter {
+/// Whether `target` is `module` or one of its modules.
+fn within(target: &str, module: &str) -> bool {
+    target
+        .strip_prefix(module)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with("::"))
+}
+
+/// The log filter of `RUST_LOG`'s value, `spec`: [`DEFAULT_FILTER`]
+/// without one, when it is empty (`Environment=RUST_LOG=` under systemd,
+/// an unset variable in a compose file), or when it does not parse, with
+/// why it did not.
+fn env_filter(spec: Option<&str>) -> (tracing_subscriber::EnvFilter, Option<String>) {
     use tracing_subscriber::EnvFilter;
-    use tracing_subscriber::filter::LevelFilter;
-    let (mut filter, spec) = match spec.map(|s| (EnvFilter::try_new(s), s)) {
-        Some((Ok(filter), spec)) => (filter, spec),
-        _ => (EnvFilter::new(DEFAULT_FILTER), DEFAULT_FILTER),
-    };
-    let directives = || spec.split(',').map(str::trim);
-    let verbose = directives()
-        .filter_map(|directive| directive.parse::<LevelFilter>().ok())
-        .any(|level| level > LevelFilter::INFO);
-    for library in QUOTING {
-        let named = directives().any(|directive| directive.split(['=', '[']).next() == Some(library));
-        if verbose && !named {
-            filter = filter.add_directive(format!("{library}=info").parse().expect("a directive"));
-        }
+    match spec.map(str::trim).filter(|spec| !spec.is_empty()) {
+        None => (EnvFilter::new(DEFAULT_FILTER), None),
+        Some(spec) => match EnvFilter::try_new(spec) {
+            Ok(filter) => (filter, None),
+            Err(error) => (
+                EnvFilter::new(DEFAULT_FILTER),
+                Some(format!(
+                    "RUST_LOG={spec:?} is not a log filter ({error}): logging at {DEFAULT_FILTER}"
+                )),
+            ),
+        },
     }
-    filter
+}
+
+/// Whether a line of `metadata` may be written beside `spec`'s filter:
+/// one of the [`QUOTING`] libraries' above INFO only where a directive of
+/// `spec` names its module or one around it (`h2`, `h2::codec`). A cap of
+/// its own, not a directive added to the filter: a directive for a span
+/// (`[Connection]=debug`, a span of `h2`'s own) or for a prefix (`h=debug`)
+/// enables DEBUG lines a target directive would not hold back.
+fn uncapped(spec: Option<&str>) -> impl Fn(&tracing::Metadata<'_>) -> bool + Send + Sync + 'static {
+    let named: Vec<String> = spec
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|directive| directive.trim().split(['=', '[']).next())
+        .filter(|target| QUOTING.iter().any(|library| within(target, library)))
+        .map(str::to_owned)
+        .collect();
+    move |metadata| {
+        let target = metadata.target();
+        *metadata.level() <= tracing::Level::INFO
+            || !QUOTING.iter().any(|library| within(target, library))
+            || named.iter().any(|module| within(target, module))
+    }
 }
 
 /// Installs the global subscriber: `RUST_LOG` filters (default
@@ -158,19 +181,25 @@ fn filter(spec: Option<&str>) -> tracing_subscriber::EnvFilter {
 /// manager, a container runtime or a file gets plain lines.
 pub fn init() {
     use std::io::IsTerminal;
-    let filter = filter(std::env::var("RUST_LOG").ok().as_deref());
+    use tracing_subscriber::prelude::*;
+    let spec = std::env::var("RUST_LOG").ok();
+    let (filter, refused) = env_filter(spec.as_deref());
+    let cap = tracing_subscriber::filter::filter_fn(uncapped(spec.as_deref()));
     let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let layer = tracing_subscriber::fmt::layer()
         .with_ansi(colour)
         .with_writer(std::io::stderr);
     let format = std::env::var("IDEMGATE_LOG_FORMAT").unwrap_or_default();
     let json = format.eq_ignore_ascii_case("json");
+    let registry = tracing_subscriber::registry().with(filter);
     let _ = if json {
-        builder.json().try_init()
+        registry.with(layer.json().with_filter(cap)).try_init()
     } else {
-        builder.try_init()
+        registry.with(layer.with_filter(cap)).try_init()
     };
+    if let Some(refused) = refused {
+        tracing::warn!("{refused}");
+    }
     if !json && !format.is_empty() && !format.eq_ignore_ascii_case("text") {
         tracing::warn!("IDEMGATE_LOG_FORMAT is {format:?}, neither \"json\" nor \"text\": logging text");
     }
@@ -225,18 +254,41 @@ mod tests {
     }
 
     /// At DEBUG or TRACE, the HTTP/2 library, which quotes what clients
-    /// send, stays at INFO, unless `RUST_LOG` names it; at WARN or ERROR
-    /// it is not raised to INFO.
+    /// send, stays at INFO, unless `RUST_LOG` names it, whether the level
+    /// comes from a bare level, a span or a target's prefix; at WARN or
+    /// ERROR it is not raised to INFO.
     #[test]
     fn the_http2_library_stays_at_info_at_most_unless_named() {
+        use tracing_subscriber::prelude::*;
+        // Whether a line is written, as `init` installs the filters.
         macro_rules! enabled {
             ($spec:expr, $target:literal, $level:expr) => {{
-                let subscriber = tracing_subscriber::fmt().with_env_filter(filter(Some($spec))).finish();
-                tracing::subscriber::with_default(subscriber, || tracing::enabled!(target: $target, $level))
+                let spec = Some($spec);
+                let written = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+                let writer = {
+                    let written = written.clone();
+                    move || Writer(written.clone())
+                };
+                let cap = tracing_subscriber::filter::filter_fn(uncapped(spec));
+                let subscriber = tracing_subscriber::registry()
+                    .with(env_filter(spec).0)
+                    .with(tracing_subscriber::fmt::layer().with_writer(writer).with_filter(cap));
+                tracing::subscriber::with_default(subscriber, || {
+                    tracing::event!(target: $target, $level, "a line");
+                });
+                !written.lock().unwrap().is_empty()
             }};
         }
         use tracing::Level;
-        for spec in ["trace", "debug", "idemgate=trace,debug", "DEBUG", "debug,h2x=debug"] {
+        for spec in [
+            "trace",
+            "debug",
+            "idemgate=trace,debug",
+            "DEBUG",
+            "debug,h2x=debug",
+            "info,h=debug,idemgate=debug,hyper_util=debug",
+            "info,[Connection]=debug,idemgate=debug,hyper_util=debug",
+        ] {
             assert!(enabled!(spec, "idemgate::proxy", Level::DEBUG), "{spec}");
             assert!(!enabled!(spec, "h2::server", Level::DEBUG), "{spec}");
             assert!(enabled!(spec, "h2::server", Level::INFO), "{spec}");
@@ -250,10 +302,78 @@ mod tests {
         assert!(enabled!("trace,h2=trace", "h2::server", Level::TRACE));
         // A module named holds there; the rest of the library stays capped.
         assert!(enabled!("debug,h2::codec=trace", "h2::codec", Level::TRACE));
+        assert!(enabled!(
+            "debug,h2::codec=trace",
+            "h2::codec::framed_read",
+            Level::TRACE
+        ));
         assert!(!enabled!("debug,h2::codec=trace", "h2::server", Level::DEBUG));
-        // A value that does not parse is the default's.
-        assert!(!enabled!("=[", "idemgate::proxy", Level::DEBUG));
-        assert!(enabled!("=[", "idemgate::proxy", Level::INFO));
+        // A value that does not parse, or an empty one, is the default's.
+        for spec in ["=[", "", " "] {
+            assert!(!enabled!(spec, "idemgate::proxy", Level::DEBUG), "{spec:?}");
+            assert!(enabled!(spec, "idemgate::proxy", Level::INFO), "{spec:?}");
+        }
+        assert!(
+            env_filter(Some("=["))
+                .1
+                .is_some_and(|why| why.contains("RUST_LOG=\"=[\""))
+        );
+        assert!(env_filter(Some("")).1.is_none());
+    }
+
+    /// A directive for a span enables the lines inside it (here a span of
+    /// `h2`'s own): the library's are held back all the same.
+    #[test]
+    fn a_span_directive_does_not_lift_the_cap() {
+        use tracing_subscriber::prelude::*;
+        let written = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+        let writer = {
+            let written = written.clone();
+            move || Writer(written.clone())
+        };
+        let spec = Some("info,[Connection]=debug");
+        let subscriber = tracing_subscriber::registry().with(env_filter(spec).0).with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(writer)
+                .with_filter(tracing_subscriber::filter::filter_fn(uncapped(spec))),
+        );
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!(target: "h2::proto::connection", "Connection");
+            let _entered = span.enter();
+            tracing::debug!(target: "h2::server", "quoted");
+            tracing::debug!(target: "idemgate::proxy", "ours");
+        });
+        let written = String::from_utf8(written.lock().unwrap().clone()).unwrap();
+        assert!(written.contains("ours") && !written.contains("quoted"), "{written}");
+    }
+
+    /// The filters as `init` installs them keep the default's level as the
+    /// hint that lets DEBUG callsites (the request span) cost nothing.
+    #[test]
+    fn the_cap_keeps_the_filters_level_hint() {
+        use tracing::Subscriber;
+        use tracing_subscriber::filter::LevelFilter;
+        use tracing_subscriber::prelude::*;
+        for (spec, hint) in [(None, LevelFilter::INFO), (Some("debug"), LevelFilter::DEBUG)] {
+            let subscriber = tracing_subscriber::registry().with(env_filter(spec).0).with(
+                tracing_subscriber::fmt::layer().with_filter(tracing_subscriber::filter::filter_fn(uncapped(spec))),
+            );
+            assert_eq!(subscriber.max_level_hint(), Some(hint), "{spec:?}");
+        }
+    }
+
+    /// A writer into a shared buffer.
+    struct Writer(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Writer {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
     }
 
     #[test]
