@@ -92,19 +92,7 @@ impl Problem {
     }
 
     fn title(&self) -> &'static str {
-        match self {
-            Problem::KeyMissing(_) => "Idempotency key missing",
-            Problem::KeyInvalid(_) => "Idempotency key invalid",
-            Problem::KeyReused => "Idempotency key reused for a different request",
-            Problem::RequestInFlight => "A request with this idempotency key is in progress",
-            Problem::BodyTooLarge { .. } => "Request body too large",
-            Problem::ResponseNotReplayable => "Response cannot be replayed",
-            Problem::UpstreamUnavailable(_) => "Upstream unavailable",
-            Problem::UpstreamTimeout => "Upstream timed out",
-            Problem::OutcomeUnknown => "Outcome unknown",
-            Problem::StoreUnavailable => "Idempotency store unavailable",
-            Problem::BadRequest(_) => "Bad request",
-        }
+        title_of(self.slug()).expect("every problem type has its title")
     }
 
     fn detail(&self) -> String {
@@ -156,6 +144,27 @@ impl Problem {
 /// An RFC 9457 `application/problem+json` response, its `type`
 /// `urn:idemgate:problem:<slug>`: the proxy's problems, and the admin
 /// listener's.
+/// The title of the problem type `slug`, when it is one of the proxy's:
+/// the same for every occurrence of a type (RFC 9457 §3.1.3), whichever
+/// listener answers it (the admin listener's `store-unavailable` and
+/// `bad-request` too).
+pub fn title_of(slug: &str) -> Option<&'static str> {
+    Some(match slug {
+        "key-missing" => "Idempotency key missing",
+        "key-invalid" => "Idempotency key invalid",
+        "key-reused" => "Idempotency key reused for a different request",
+        "request-in-flight" => "A request with this idempotency key is in progress",
+        "body-too-large" => "Request body too large",
+        "response-not-replayable" => "Response cannot be replayed",
+        "upstream-unavailable" => "Upstream unavailable",
+        "upstream-timeout" => "Upstream timed out",
+        "outcome-unknown" => "Outcome unknown",
+        "store-unavailable" => "Idempotency store unavailable",
+        "bad-request" => "Bad request",
+        _ => return None,
+    })
+}
+
 pub fn document(status: StatusCode, slug: &str, title: &str, detail: &str) -> Response<ResponseBody> {
     let doc = serde_json::json!({
         "type": format!("urn:idemgate:problem:{slug}"),
@@ -188,6 +197,7 @@ mod tests {
         ] {
             assert_eq!(p.fault(), Fault::Client);
             assert!(p.status().is_client_error(), "{p:?}");
+            assert!(!p.title().is_empty());
         }
         for p in [
             Problem::UpstreamUnavailable(String::new()),
@@ -196,6 +206,7 @@ mod tests {
             Problem::StoreUnavailable,
         ] {
             assert!(p.status().is_server_error(), "{p:?}");
+            assert!(!p.title().is_empty());
         }
     }
 }

@@ -94,9 +94,12 @@ fn text(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) 
 const PLAIN: &str = "text/plain; charset=utf-8";
 
 /// An admin error, as `application/problem+json` like every error idemgate
-/// makes; its title is the status's reason.
+/// makes; its title is that of the proxy's problem of the same type, else
+/// the status's reason.
 fn problem(status: StatusCode, slug: &str, detail: &str) -> Response<ResponseBody> {
-    crate::proxy::problem::document(status, slug, status.canonical_reason().unwrap_or(""), detail)
+    use crate::proxy::problem::{document, title_of};
+    let title = title_of(slug).unwrap_or(status.canonical_reason().unwrap_or(""));
+    document(status, slug, title, detail)
 }
 
 /// 405, with the `Allow` list RFC 9110 §15.5.6 asks of it.

@@ -418,7 +418,12 @@ impl Answer {
         assert_eq!(doc["status"], self.status.as_u16(), "{doc}");
         assert!(doc["title"].is_string() && doc["detail"].is_string(), "{doc}");
         let kind = doc["type"].as_str().unwrap();
-        kind.rsplit(':').next().unwrap().to_string()
+        let slug = kind.rsplit(':').next().unwrap().to_string();
+        // One title per type, whichever listener answers (RFC 9457 §3.1.3).
+        if let Some(title) = idemgate::proxy::problem::title_of(&slug) {
+            assert_eq!(doc["title"], title, "{doc}");
+        }
+        slug
     }
 
     pub fn text(&self) -> String {
