@@ -363,8 +363,19 @@ fn hangups() -> anyhow::Result<Hangups> {
     Ok(())
 }
 
+/// `text` on one line, its lines joined by a space: a log line that a
+/// collector reading one entry a line (`docker logs`, a file tailer) keeps
+/// whole, where a configuration error lists its problems a line each.
+fn one_line(text: &str) -> String {
+    text.lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// SIGHUP re-reads the file and applies it to every worker; an invalid one
-/// is logged and the running configuration kept.
+/// is logged, on one line, and the running configuration kept.
 fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
     #[cfg(unix)]
     {
@@ -374,6 +385,7 @@ fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
                 let config = match Config::load(&path) {
                     Ok(config) => config,
                     Err(error) => {
+                        let error = one_line(&error.to_string());
                         tracing::error!("reload refused, the running configuration stays: {error}");
                         continue;
                     }
@@ -381,7 +393,7 @@ fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
                 if let Err(error) = server::check(&config) {
                     // With its causes (a CA file that cannot be read, and
                     // why), and the file, as at start.
-                    let error = idemgate::telemetry::error_chain(&error);
+                    let error = one_line(&idemgate::telemetry::error_chain(&error));
                     tracing::error!(
                         "reload refused, the running configuration stays: {}: {error}",
                         path.display()
@@ -394,7 +406,7 @@ fn reload_on_sighup(path: PathBuf, reloaders: Vec<Reloader>, hangups: Hangups) {
                     Ok(Some(reloaded)) => reloaded.log(),
                     Ok(None) => {}
                     Err(error) => {
-                        let error = idemgate::telemetry::error_chain(&error);
+                        let error = one_line(&idemgate::telemetry::error_chain(&error));
                         tracing::error!(
                             "reload refused, the running configuration stays: {}: {error}",
                             path.display()

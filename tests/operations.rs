@@ -259,6 +259,19 @@ async fn the_admin_listener_answers_until_every_worker_has_drained() {
     }
 }
 
+/// The first line of `gate`'s log that holds `text`, once one does
+/// (within 5 s).
+async fn logged(gate: &Binary, text: &str) -> String {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(line) = gate.log().lines().find(|line| line.contains(text)) {
+            return line.to_owned();
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no {text:?}: {}", gate.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn sighup_reloads_the_file_and_keeps_the_old_one_when_the_new_is_broken() {
     let upstream = Upstream::created().await;
@@ -309,6 +322,20 @@ async fn sighup_reloads_the_file_and_keeps_the_old_one_when_the_new_is_broken() 
         client.post(&gate.url("/v1/orders"), "k2", "").await.replayed(),
         "the old configuration stays"
     );
+    // A file with two problems: both named, on the refusal's one line (a
+    // collector reading a line per entry keeps it whole).
+    std::fs::write(
+        gate.config_path(),
+        format!("{original}\n[[route]]\nname = \"a\"\npath = \"/a\"\nttl = \"soon\"\nlock_timeout = \"later\"\n"),
+    )
+    .unwrap();
+    gate.signal("HUP");
+    let line = logged(&gate, "later").await;
+    assert!(
+        line.contains("reload refused") && line.contains("].ttl") && line.contains("].lock_timeout"),
+        "{}",
+        gate.log()
+    );
     // A file that parses but names a CA that is not there: refused, and
     // the log says which file and why, as at start.
     let ca = gate.config_path().with_extension("missing-ca.pem");
@@ -316,13 +343,7 @@ async fn sighup_reloads_the_file_and_keeps_the_old_one_when_the_new_is_broken() 
     assert_ne!(broken, original);
     std::fs::write(gate.config_path(), broken).unwrap();
     gate.signal("HUP");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while !gate.log().contains("missing-ca.pem") {
-        assert!(tokio::time::Instant::now() < deadline, "{}", gate.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let log = gate.log();
-    let line = log.lines().find(|l| l.contains("missing-ca.pem")).unwrap();
+    let line = logged(&gate, "missing-ca.pem").await;
     assert!(
         line.contains("reload refused") && line.contains("upstream.ca"),
         "{line}"
