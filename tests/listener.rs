@@ -718,8 +718,8 @@ async fn a_slow_http2_reader_gets_its_whole_answer() {
 
 /// A path sent with raw UTF-8 or `|` in it (parsers let them through) is
 /// the path its escapes spell, as a backend reads it: the route written
-/// as text takes it either way. (The fingerprint reads the path as sent,
-/// so each spelling keeps its own retries.)
+/// as text takes it either way, and the fingerprint reads it so too, so a
+/// retry spelled the other way is replayed, not refused 422.
 #[tokio::test]
 async fn a_path_sent_raw_or_escaped_takes_the_same_route() {
     let upstream = Upstream::start(|hit, _| Reply::created(hit)).await;
@@ -737,6 +737,14 @@ async fn a_path_sent_raw_or_escaped_takes_the_same_route() {
             assert_eq!(said, replayed, "{path}: {answer}");
         }
     }
+    // The first request's key, its path spelled the other way.
+    let request = "POST /caf%C3%A9s/a%7Cb HTTP/1.1\r\nhost: x\r\nidempotency-key: raw\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}";
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let answer = until_close(&mut stream, request.as_bytes()).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 201") && answer.to_ascii_lowercase().contains("idempotent-replayed: true"),
+        "{answer}"
+    );
     assert_eq!(upstream.hits(), 2);
 }
 

@@ -16,18 +16,19 @@ use crate::store::Fingerprint;
 /// `text` (a path or a query) with its percent-escapes in RFC 3986's
 /// normal form (§6.2.2): an unreserved character's escape decoded (`%7E`
 /// is `~`, `%41` is `A`), any other escape's hex digits in capitals
-/// (`%c3%a9` is `%C3%A9`). A backend that decodes them reads the same bytes
-/// either way, so a retry whose client escapes otherwise is the same
-/// request, not a 422. Nothing else changes: a reserved character and its
-/// escape (`/` and `%2F`, `+` and `%2B`) may mean different things to a
-/// backend, and stay apart. A `%` that starts no escape is `%25`, as a
-/// lenient decoder reads it. (Routing's `decode_unreserved` also escapes
-/// bytes a path should not hold as they are; a query may hold them.)
-/// Borrowed, with no work beyond a scan for `%`, when there is nothing to
-/// change.
+/// (`%c3%a9` is `%C3%A9`), and a byte no URI may hold as it is escaped
+/// (raw UTF-8, a space, `"`, `<`, `>`, `\`, `^`, `` ` ``, `{`, `|`, `}`, a
+/// control: parsers let them through), so `/cafés` is `/caf%C3%A9s`, as
+/// routing and `key.derive` read it. A backend that decodes them reads the
+/// same bytes either way, so a retry whose client escapes otherwise is the
+/// same request, not a 422. Nothing else changes: a reserved character and
+/// its escape (`/` and `%2F`, `+` and `%2B`) may mean different things to
+/// a backend, and stay apart. A `%` that starts no escape is `%25`, as a
+/// lenient decoder reads it. Borrowed, with no work beyond one scan, when
+/// there is nothing to change.
 fn normal_escapes(text: &str) -> Cow<'_, str> {
     let bytes = text.as_bytes();
-    if !bytes.contains(&b'%') {
+    if !bytes.iter().any(|&b| b == b'%' || NOT_AS_IS[usize::from(b)]) {
         return Cow::Borrowed(text);
     }
     // The byte `bytes[at..]` escapes, if it opens with an escape.
@@ -43,11 +44,13 @@ fn normal_escapes(text: &str) -> Cow<'_, str> {
     // A `%` that starts no escape is written `%25`, as a lenient decoder
     // reads it: left bare, a hex digit decoded after it (`%%32%35`) would
     // make an escape the request never held (`%25`).
-    let changes = |at: usize| bytes[at] == b'%' && escape(at).is_none_or(|escaped| !normal(at, escaped));
+    let changes = |at: usize| {
+        NOT_AS_IS[usize::from(bytes[at])] || bytes[at] == b'%' && escape(at).is_none_or(|escaped| !normal(at, escaped))
+    };
     let Some(first) = (0..bytes.len()).find(|&at| changes(at)) else {
         return Cow::Borrowed(text);
     };
-    let mut out = String::with_capacity(text.len());
+    let mut out = String::with_capacity(text.len() + 8);
     out.push_str(&text[..first]);
     let mut at = first;
     while at < bytes.len() {
@@ -61,8 +64,14 @@ fn normal_escapes(text: &str) -> Cow<'_, str> {
                 at += 1;
                 continue;
             }
+            None if NOT_AS_IS[usize::from(bytes[at])] => {
+                let _ = write!(out, "%{:02X}", bytes[at]);
+                at += 1;
+                continue;
+            }
             None => {
-                // Escapes are ASCII: `at` is on a character's boundary.
+                // Escapes and bytes escaped are ASCII or whole characters'
+                // bytes: `at` is on a character's boundary.
                 let c = text[at..].chars().next().expect("a character");
                 out.push(c);
                 at += c.len_utf8();
@@ -73,6 +82,25 @@ fn normal_escapes(text: &str) -> Cow<'_, str> {
     }
     Cow::Owned(out)
 }
+
+/// The bytes no URI holds as they are (RFC 3986 §2: neither unreserved,
+/// reserved, nor `%`): every byte from 0x80 up, the controls, and space,
+/// `"`, `<`, `>`, `\`, `^`, `` ` ``, `{`, `|`, `}`.
+const NOT_AS_IS: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        table[b] = b >= 0x80
+            || b < 0x20
+            || b == 0x7f
+            || matches!(
+                b as u8,
+                b' ' | b'"' | b'<' | b'>' | b'\\' | b'^' | b'`' | b'{' | b'|' | b'}'
+            );
+        b += 1;
+    }
+    table
+};
 
 fn field(hasher: &mut Sha256, bytes: &[u8]) {
     hasher.update((bytes.len() as u64).to_be_bytes());
@@ -212,6 +240,14 @@ mod tests {
             assert_ne!(print(a), print(b), "{a} {b}");
         }
         assert_eq!(normal_escapes("/a%c3%a9b%7e?%"), "/a%C3%A9b~?%25");
+        // Bytes no URI holds as they are, as routing reads them.
+        assert_eq!(normal_escapes("/caf\u{e9}s/a|b"), "/caf%C3%A9s/a%7Cb");
+        assert_eq!(
+            normal_escapes("x={\"a b\"}^`<>\\"),
+            "x=%7B%22a%20b%22%7D%5E%60%3C%3E%5C"
+        );
+        assert_eq!(normal_escapes("\u{1F600}%e9"), "%F0%9F%98%80%E9");
+        assert!(matches!(normal_escapes("/v1/a+b;c=d,e[f]!$&'()*:@"), Cow::Borrowed(_)));
         assert_eq!(normal_escapes("%%32%35%"), "%2525%25");
         assert!(matches!(normal_escapes("/v1/orders?ref=a%C3%A9"), Cow::Borrowed(_)));
     }
