@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use http::{HeaderName, Method, Uri};
 
+#[cfg(test)]
+pub(crate) use route::PATH_AS_IS;
 pub use route::{
     PathPattern, RouteMatch, as_backends_may_read, decode_unreserved, remove_dot_segments, slashes_decoded,
 };

@@ -222,7 +222,7 @@ const HEX: &[u8; 16] = b"0123456789ABCDEF";
 /// The bytes a normalized path holds as they are: RFC 3986 §3.3's `pchar`
 /// but for escapes (unreserved characters, sub-delimiters, `:`, `@`) and
 /// `/`. Every other byte is written as an escape, or is `%`.
-const PATH_AS_IS: [bool; 256] = {
+pub(crate) const PATH_AS_IS: [bool; 256] = {
     let mut table = [false; 256];
     let mut b = 0;
     while b < 256 {

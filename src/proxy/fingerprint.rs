@@ -18,17 +18,18 @@ use crate::store::Fingerprint;
 /// is `~`, `%41` is `A`), any other escape's hex digits in capitals
 /// (`%c3%a9` is `%C3%A9`), and a byte no URI may hold as it is escaped
 /// (raw UTF-8, a space, `"`, `<`, `>`, `\`, `^`, `` ` ``, `{`, `|`, `}`, a
-/// control: parsers let them through), so `/cafés` is `/caf%C3%A9s`, as
-/// routing and `key.derive` read it. A backend that decodes them reads the
+/// control: parsers let them through; in a path `[` and `]` too, which
+/// only a host may hold), so `/cafés` is `/caf%C3%A9s`, as routing and
+/// `key.derive` read it; `not_as_is` says which bytes those are. A backend that decodes them reads the
 /// same bytes either way, so a retry whose client escapes otherwise is the
 /// same request, not a 422. Nothing else changes: a reserved character and
 /// its escape (`/` and `%2F`, `+` and `%2B`) may mean different things to
 /// a backend, and stay apart. A `%` that starts no escape is `%25`, as a
 /// lenient decoder reads it. Borrowed, with no work beyond one scan, when
 /// there is nothing to change.
-fn normal_escapes(text: &str) -> Cow<'_, str> {
+fn normal_escapes<'a>(text: &'a str, not_as_is: &[bool; 256]) -> Cow<'a, str> {
     let bytes = text.as_bytes();
-    if !bytes.iter().any(|&b| b == b'%' || NOT_AS_IS[usize::from(b)]) {
+    if !bytes.iter().any(|&b| b == b'%' || not_as_is[usize::from(b)]) {
         return Cow::Borrowed(text);
     }
     // The byte `bytes[at..]` escapes, if it opens with an escape.
@@ -45,7 +46,7 @@ fn normal_escapes(text: &str) -> Cow<'_, str> {
     // reads it: left bare, a hex digit decoded after it (`%%32%35`) would
     // make an escape the request never held (`%25`).
     let changes = |at: usize| {
-        NOT_AS_IS[usize::from(bytes[at])] || bytes[at] == b'%' && escape(at).is_none_or(|escaped| !normal(at, escaped))
+        not_as_is[usize::from(bytes[at])] || bytes[at] == b'%' && escape(at).is_none_or(|escaped| !normal(at, escaped))
     };
     let Some(first) = (0..bytes.len()).find(|&at| changes(at)) else {
         return Cow::Borrowed(text);
@@ -64,7 +65,7 @@ fn normal_escapes(text: &str) -> Cow<'_, str> {
                 at += 1;
                 continue;
             }
-            None if NOT_AS_IS[usize::from(bytes[at])] => {
+            None if not_as_is[usize::from(bytes[at])] => {
                 let _ = write!(out, "%{:02X}", bytes[at]);
                 at += 1;
                 continue;
@@ -85,7 +86,7 @@ fn normal_escapes(text: &str) -> Cow<'_, str> {
 
 /// The bytes no URI holds as they are (RFC 3986 §2: neither unreserved,
 /// reserved, nor `%`): every byte from 0x80 up, the controls, and space,
-/// `"`, `<`, `>`, `\`, `^`, `` ` ``, `{`, `|`, `}`.
+/// `"`, `<`, `>`, `\`, `^`, `` ` ``, `{`, `|`, `}`: a query's.
 const NOT_AS_IS: [bool; 256] = {
     let mut table = [false; 256];
     let mut b = 0;
@@ -99,6 +100,15 @@ const NOT_AS_IS: [bool; 256] = {
             );
         b += 1;
     }
+    table
+};
+
+/// [`NOT_AS_IS`], and `[` and `]`, which only a URI's host holds: the
+/// bytes routing escapes in a path (see [`crate::config::decode_unreserved`]).
+const NOT_AS_IS_IN_PATH: [bool; 256] = {
+    let mut table = NOT_AS_IS;
+    table[b'[' as usize] = true;
+    table[b']' as usize] = true;
     table
 };
 
@@ -126,8 +136,14 @@ pub fn fingerprint(
     let mut hasher = Sha256::new();
     hasher.update(b"idemgate-fingerprint-v1");
     field(&mut hasher, parts.method.as_str().as_bytes());
-    field(&mut hasher, normal_escapes(parts.uri.path()).as_bytes());
-    field(&mut hasher, normal_escapes(parts.uri.query().unwrap_or("")).as_bytes());
+    field(
+        &mut hasher,
+        normal_escapes(parts.uri.path(), &NOT_AS_IS_IN_PATH).as_bytes(),
+    );
+    field(
+        &mut hasher,
+        normal_escapes(parts.uri.query().unwrap_or(""), &NOT_AS_IS).as_bytes(),
+    );
     if let Some(host) = host {
         // Tagged apart from a header name, whose field is length-first, and
         // from the body's `none`, `json` or `raw`.
@@ -239,17 +255,32 @@ mod tests {
         ] {
             assert_ne!(print(a), print(b), "{a} {b}");
         }
-        assert_eq!(normal_escapes("/a%c3%a9b%7e?%"), "/a%C3%A9b~?%25");
+        assert_eq!(normal_escapes("/a%c3%a9b%7e?%", &NOT_AS_IS), "/a%C3%A9b~?%25");
         // Bytes no URI holds as they are, as routing reads them.
-        assert_eq!(normal_escapes("/caf\u{e9}s/a|b"), "/caf%C3%A9s/a%7Cb");
         assert_eq!(
-            normal_escapes("x={\"a b\"}^`<>\\"),
+            normal_escapes("/caf\u{e9}s/a|b", &NOT_AS_IS_IN_PATH),
+            "/caf%C3%A9s/a%7Cb"
+        );
+        assert_eq!(
+            normal_escapes("x={\"a b\"}^`<>\\", &NOT_AS_IS),
             "x=%7B%22a%20b%22%7D%5E%60%3C%3E%5C"
         );
-        assert_eq!(normal_escapes("\u{1F600}%e9"), "%F0%9F%98%80%E9");
-        assert!(matches!(normal_escapes("/v1/a+b;c=d,e[f]!$&'()*:@"), Cow::Borrowed(_)));
-        assert_eq!(normal_escapes("%%32%35%"), "%2525%25");
-        assert!(matches!(normal_escapes("/v1/orders?ref=a%C3%A9"), Cow::Borrowed(_)));
+        assert_eq!(normal_escapes("\u{1F600}%e9", &NOT_AS_IS), "%F0%9F%98%80%E9");
+        assert!(matches!(
+            normal_escapes("a+b;c=d,e[f]!$&'()*:@/?", &NOT_AS_IS),
+            Cow::Borrowed(_)
+        ));
+        // In a path `[` and `]` are escaped too, as routing escapes them.
+        assert_eq!(normal_escapes("/m/a[1]", &NOT_AS_IS_IN_PATH), "/m/a%5B1%5D");
+        for b in 0..=255u8 {
+            let escaped = NOT_AS_IS_IN_PATH[usize::from(b)] || matches!(b, b'%' | b'?' | b'#');
+            assert_eq!(escaped, !crate::config::PATH_AS_IS[usize::from(b)], "{b:#x}");
+        }
+        assert_eq!(normal_escapes("%%32%35%", &NOT_AS_IS), "%2525%25");
+        assert!(matches!(
+            normal_escapes("/v1/orders?ref=a%C3%A9", &NOT_AS_IS),
+            Cow::Borrowed(_)
+        ));
     }
 
     /// A listed header sent on two lines is fingerprinted as the one line

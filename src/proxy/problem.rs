@@ -141,9 +141,6 @@ impl Problem {
     }
 }
 
-/// An RFC 9457 `application/problem+json` response, its `type`
-/// `urn:idemgate:problem:<slug>`: the proxy's problems, and the admin
-/// listener's.
 /// The title of the problem type `slug`, when it is one of the proxy's:
 /// the same for every occurrence of a type (RFC 9457 §3.1.3), whichever
 /// listener answers it (the admin listener's `store-unavailable` and
@@ -165,6 +162,9 @@ pub fn title_of(slug: &str) -> Option<&'static str> {
     })
 }
 
+/// An RFC 9457 `application/problem+json` response, its `type`
+/// `urn:idemgate:problem:<slug>`: the proxy's problems, and the admin
+/// listener's.
 pub fn document(status: StatusCode, slug: &str, title: &str, detail: &str) -> Response<ResponseBody> {
     let doc = serde_json::json!({
         "type": format!("urn:idemgate:problem:{slug}"),

@@ -498,16 +498,18 @@ impl Cluster {
 const AGREE_WITHIN: Duration = Duration::from_millis(100);
 
 /// The map that most of `asks` answer `CLUSTER SLOTS` with, within
-/// `timeout`; else why none answered (the last refusal or failure).
+/// `timeout`; else why none answered.
 ///
 /// Not simply the first answer: a primary that resumes after a pause (a
 /// stopped process, a frozen VM) answers at once with its view from before
 /// the cluster failed it over, until the others tell it, and claims sent
 /// by that view would land on a node about to drop them. The answers are
-/// tallied as they come, until one map has more than half the nodes asked
-/// behind it, or every node has answered or failed, or [`AGREE_WITHIN`]
-/// has passed since the first answer; then the map most answered with
-/// (the first to come of those tied) is taken.
+/// tallied as they come, one vote a node (each asked its `CLUSTER MYID`
+/// too: a URL and the name the cluster gives the same node are one
+/// voter), until one map has more than half the nodes asked behind it, or
+/// every node has answered or failed, or [`AGREE_WITHIN`] has passed since
+/// the first answer; then the map most answered with (the first to come of
+/// those tied) is taken.
 async fn agreed_answer(asks: Vec<(String, resp::Connection)>, timeout: Duration) -> Result<SlotOwners, String> {
     use futures_util::StreamExt;
 
@@ -523,30 +525,48 @@ async fn agreed_answer(asks: Vec<(String, resp::Connection)>, timeout: Duration)
                 .query(&command)
                 .await
                 .map_err(|error| resp::unquoted(&error.to_string()).into_owned())?;
-            slot_owners(&answer, &host).ok_or_else(|| "CLUSTER SLOTS answered outside its form".to_owned())
+            let owners =
+                slot_owners(&answer, &host).ok_or_else(|| "CLUSTER SLOTS answered outside its form".to_owned())?;
+            // Asked once the map has come, so a node that cannot be reached
+            // fails on the map, as it always did. A user not allowed
+            // `CLUSTER MYID` still votes, as a node of its own.
+            let id: Option<String> = connection.query(&redis::cmd("CLUSTER").arg("MYID").clone()).await.ok();
+            Ok::<_, String>((id, owners))
         })
         .collect();
-    let mut why = "no node answered which node serves which slots".to_owned();
+    let mut refused = None;
     let mut deadline = tokio::time::Instant::now() + timeout;
-    while let Ok(Some(answer)) = tokio::time::timeout_at(deadline, answers.next()).await {
-        match answer {
-            Ok(owners) => {
+    loop {
+        match tokio::time::timeout_at(deadline, answers.next()).await {
+            Ok(Some(Ok((id, owners)))) => {
                 if tally.is_empty() {
                     deadline = deadline.min(tokio::time::Instant::now() + AGREE_WITHIN);
                 }
-                if let Some(agreed) = tally.add(owners) {
+                if let Some(agreed) = tally.add(id, owners) {
                     return Ok(agreed);
                 }
             }
-            Err(error) => why = error,
+            Ok(Some(Err(error))) => refused = Some(error),
+            // Every node answered or failed.
+            Ok(None) => break,
+            Err(_) if !tally.is_empty() => break,
+            Err(_) => {
+                let late = "no node answered which node serves which slots in time";
+                return Err(refused.map_or_else(|| late.to_owned(), |why| format!("{late} (one refused: {why})")));
+            }
         }
     }
-    tally.most().ok_or(why)
+    tally
+        .most()
+        .ok_or_else(|| refused.unwrap_or_else(|| "no node answered which node serves which slots".to_owned()))
 }
 
 /// The maps nodes answered with, and how many answered each.
 struct Tally {
+    /// The nodes asked, less those asked twice under two names.
     asked: usize,
+    /// The ids of the nodes that answered.
+    voters: Vec<String>,
     maps: Vec<(SlotOwners, usize)>,
 }
 
@@ -554,6 +574,7 @@ impl Tally {
     fn new(asked: usize) -> Tally {
         Tally {
             asked,
+            voters: Vec::new(),
             maps: Vec::new(),
         }
     }
@@ -562,20 +583,26 @@ impl Tally {
         self.maps.is_empty()
     }
 
-    /// Counts one more node's answer: the map, once more than half the
-    /// nodes asked have answered with it.
-    fn add(&mut self, owners: SlotOwners) -> Option<SlotOwners> {
-        let votes = match self.maps.iter_mut().find(|(map, _)| *map == owners) {
-            Some((_, votes)) => {
-                *votes += 1;
-                *votes
+    /// Counts the answer of the node `id` (unknown: a node of its own):
+    /// the map more than half the nodes asked have answered with, once one
+    /// has. A node answering a second time (asked under two names) is not
+    /// counted again, and was one node asked, not two.
+    fn add(&mut self, id: Option<String>, owners: SlotOwners) -> Option<SlotOwners> {
+        match id {
+            Some(id) if self.voters.contains(&id) => self.asked = self.asked.saturating_sub(1),
+            id => {
+                self.voters.extend(id);
+                match self.maps.iter_mut().find(|(map, _)| *map == owners) {
+                    Some((_, votes)) => *votes += 1,
+                    None => self.maps.push((owners, 1)),
+                }
             }
-            None => {
-                self.maps.push((owners.clone(), 1));
-                1
-            }
-        };
-        (votes * 2 > self.asked).then_some(owners)
+        }
+        let asked = self.asked;
+        self.maps
+            .iter()
+            .find(|(_, votes)| votes * 2 > asked)
+            .map(|(map, _)| map.clone())
     }
 
     /// The map most answered with; of those tied, the first to come.
@@ -715,27 +742,36 @@ mod tests {
     #[test]
     fn the_map_most_nodes_answer_with_is_taken() {
         let map = |port| vec![(0, 16383, "127.0.0.1".to_owned(), port)];
+        let node = |id: &str| Some(id.to_owned());
         // Six nodes asked; the first to answer alone in its view.
         let mut tally = Tally::new(6);
-        assert_eq!(tally.add(map(7000)), None);
-        for _ in 0..3 {
-            assert_eq!(tally.add(map(7001)), None);
+        assert_eq!(tally.add(node("a"), map(7000)), None);
+        for id in ["b", "c", "d"] {
+            assert_eq!(tally.add(node(id), map(7001)), None);
         }
-        assert_eq!(tally.add(map(7001)), Some(map(7001)), "four of six");
+        assert_eq!(tally.add(node("e"), map(7001)), Some(map(7001)), "four of six");
         // Fewer answered than half: the map most answered with, the first
         // to come of those tied.
         let mut tally = Tally::new(6);
-        tally.add(map(7000));
-        tally.add(map(7001));
-        tally.add(map(7001));
+        tally.add(node("a"), map(7000));
+        tally.add(node("b"), map(7001));
+        tally.add(node("c"), map(7001));
         assert_eq!(tally.most(), Some(map(7001)));
         let mut tally = Tally::new(6);
-        tally.add(map(7002));
-        tally.add(map(7000));
+        tally.add(None, map(7002));
+        tally.add(None, map(7000));
         assert_eq!(tally.most(), Some(map(7002)));
         assert_eq!(Tally::new(3).most(), None);
         // One node asked: its answer is the map.
-        assert_eq!(Tally::new(1).add(map(7000)), Some(map(7000)));
+        assert_eq!(Tally::new(1).add(None, map(7000)), Some(map(7000)));
+        // A node asked under two names (a URL and the cluster's name for
+        // it) votes once, and was one node asked: of four asks for three
+        // nodes, the two others agreeing are a majority.
+        let mut tally = Tally::new(4);
+        assert_eq!(tally.add(node("a"), map(7000)), None);
+        assert_eq!(tally.add(node("a"), map(7000)), None);
+        assert_eq!(tally.add(node("b"), map(7001)), None);
+        assert_eq!(tally.add(node("c"), map(7001)), Some(map(7001)));
     }
 
     /// A look at the map that never starts, or whose task a runtime

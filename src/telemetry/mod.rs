@@ -154,15 +154,19 @@ fn env_filter(spec: Option<&str>) -> (tracing_subscriber::EnvFilter, Option<Stri
 
 /// Whether a line of `metadata` may be written beside `spec`'s filter:
 /// one of the [`QUOTING`] libraries' above INFO only where a directive of
-/// `spec` names its module or one around it (`h2`, `h2::codec`). A cap of
+/// `spec` names its module or one around it (`h2`, `h2::codec`), not
+/// scoped to a span. A cap of
 /// its own, not a directive added to the filter: a directive for a span
 /// (`[Connection]=debug`, a span of `h2`'s own) or for a prefix (`h=debug`)
 /// enables DEBUG lines a target directive would not hold back.
 fn uncapped(spec: Option<&str>) -> impl Fn(&tracing::Metadata<'_>) -> bool + Send + Sync + 'static {
+    // A directive scoped to a span (`h2[Connection]=debug`) names no
+    // module: it would lift the cap outside the span too.
     let named: Vec<String> = spec
         .unwrap_or_default()
         .split(',')
-        .filter_map(|directive| directive.trim().split(['=', '[']).next())
+        .filter(|directive| !directive.contains('['))
+        .filter_map(|directive| directive.trim().split('=').next())
         .filter(|target| QUOTING.iter().any(|library| within(target, library)))
         .map(str::to_owned)
         .collect();
@@ -308,6 +312,8 @@ mod tests {
             Level::TRACE
         ));
         assert!(!enabled!("debug,h2::codec=trace", "h2::server", Level::DEBUG));
+        // A directive scoped to a span lifts nothing.
+        assert!(!enabled!("debug,h2[Connection]=debug", "h2::server", Level::DEBUG));
         // A value that does not parse, or an empty one, is the default's.
         for spec in ["=[", "", " "] {
             assert!(!enabled!(spec, "idemgate::proxy", Level::DEBUG), "{spec:?}");
