@@ -1249,8 +1249,7 @@ async fn redis_cluster_claims_follow_a_failover_away_from_a_node_that_stopped_an
     let replica = cluster.add_replica_of(0);
     let timeout = Duration::from_millis(500);
     // Behind the store's deadline, as the proxy calls it.
-    let redis = Arc::new(RedisStore::cluster(&cluster.urls(), "idemgate", timeout).unwrap());
-    let store = StoreHandle::new(redis, timeout);
+    let store = support::redis::cluster_store_within(&cluster.urls(), timeout);
     // Keys on every node, the stopped one's among them.
     let keys: Vec<RecordKey> = (0..24).map(|_| key()).collect();
     for k in &keys {
@@ -1317,8 +1316,7 @@ async fn redis_cluster_claims_follow_a_failover_away_from_a_node_that_stopped_an
 async fn redis_cluster_calls_to_a_node_that_stopped_answering_open_no_new_connections() {
     let cluster = support::redis::RedisCluster::start();
     let timeout = Duration::from_millis(300);
-    let redis = Arc::new(RedisStore::cluster(&cluster.urls(), "idemgate", timeout).unwrap());
-    let store = StoreHandle::new(redis, timeout);
+    let store = support::redis::cluster_store_within(&cluster.urls(), timeout);
     for _ in 0..24 {
         store.claim(&key(), &A, Owner::new(), LONG, None).await.unwrap();
     }
@@ -1368,8 +1366,7 @@ async fn redis_cluster_calls_to_a_node_that_stopped_answering_open_no_new_connec
 async fn redis_cluster_calls_to_other_nodes_go_on_while_one_hangs_and_a_slot_moves() {
     let cluster = support::redis::RedisCluster::start();
     let timeout = Duration::from_millis(500);
-    let redis = Arc::new(RedisStore::cluster(&cluster.urls(), "idemgate", timeout).unwrap());
-    let store = StoreHandle::new(redis, timeout);
+    let store = support::redis::cluster_store_within(&cluster.urls(), timeout);
     let mut keyslot = ::redis::Client::open(cluster.nodes[0].url())
         .unwrap()
         .get_connection()

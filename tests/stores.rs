@@ -7,8 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::StatusCode;
-use idemgate::store::{RedisStore, StoreHandle};
-use support::redis::{RedisCluster, RedisServer, redis_store, redis_store_within};
+use support::redis::{RedisCluster, RedisServer, cluster_store_within, redis_store, redis_store_within};
 use support::{Binary, Proxy, Reply, TestClient, Upstream};
 use tokio::time::Instant;
 
@@ -219,12 +218,7 @@ async fn two_replicas_on_one_redis_let_one_of_forty_through() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_on_one_replica_is_woken_by_the_other_on_a_cluster() {
     let cluster = RedisCluster::start();
-    let store = || {
-        StoreHandle::new(
-            Arc::new(RedisStore::cluster(&cluster.urls(), "idemgate", Duration::from_secs(2)).unwrap()),
-            Duration::from_secs(2),
-        )
-    };
+    let store = || cluster_store_within(&cluster.urls(), Duration::from_secs(2));
     let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(400))).await;
     let route = "[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\non_in_flight = \"wait\"\n";
     let a = Proxy::start_with_store(&upstream.url(), route, store()).await;
@@ -700,10 +694,7 @@ async fn an_unreachable_redis_is_tried_a_few_times_a_second_not_once_a_claim() {
 async fn an_unreachable_cluster_is_not_tried_again_at_once() {
     use idemgate::store::{Fingerprint, Owner, RecordKey, StoreError};
     let down = support::unreachable_url().replace("http://", "redis://");
-    let store = StoreHandle::new(
-        Arc::new(RedisStore::cluster(&[down], "idemgate", Duration::from_secs(1)).unwrap()),
-        Duration::from_secs(1),
-    );
+    let store = cluster_store_within(&[down], Duration::from_secs(1));
     let claim = || async {
         let claim = store
             .claim(
@@ -824,10 +815,7 @@ async fn a_node_whose_map_the_others_do_not_share_is_outvoted() {
         })
         .collect();
     let urls: Vec<String> = ports.iter().map(|port| format!("redis://127.0.0.1:{port}")).collect();
-    let store = StoreHandle::new(
-        Arc::new(RedisStore::cluster(&urls, "idemgate", Duration::from_secs(2)).unwrap()),
-        Duration::from_secs(2),
-    );
+    let store = cluster_store_within(&urls, Duration::from_secs(2));
     // The nodes answer it with an error: only where it went matters.
     let _ = store
         .claim(
@@ -1160,10 +1148,7 @@ async fn a_cluster_migrating_slots_under_load_answers_every_request() {
         }
     }
     let upstream = Upstream::created().await;
-    let store = StoreHandle::new(
-        Arc::new(RedisStore::cluster(&cluster.urls(), "idemgate", Duration::from_secs(2)).unwrap()),
-        Duration::from_secs(2),
-    );
+    let store = cluster_store_within(&cluster.urls(), Duration::from_secs(2));
     let proxy = Proxy::start_with_store(&upstream.url(), ROUTE, store).await;
     let client = TestClient::default();
     assert_eq!(client.post(&proxy.url("/v1/orders"), "warm", "{}").await.status, 201);

@@ -196,11 +196,7 @@ impl Connection {
     /// Sends `command` and reads its answer as `T`; an error answer is an
     /// `Err` of its kind (`NOSCRIPT`, ...).
     pub async fn query<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
-        let answer = self.send(None, command)?;
-        let value = answer
-            .await
-            .map_err(|_| broken("the Redis connection was dropped".to_owned()))??;
-        Ok(redis::from_redis_value(value.extract_error()?)?)
+        self.query_after(None, command).await
     }
 
     /// [`Connection::query`] with `ASKING` before it, the two queued
@@ -208,7 +204,12 @@ impl Connection {
     /// one-shot flag (`ASKING` lets the node a slot migrates to take a
     /// command for it).
     pub async fn query_asking<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
-        let answer = self.send(Some(&redis::cmd("ASKING")), command)?;
+        self.query_after(Some(&redis::cmd("ASKING")), command).await
+    }
+
+    /// [`Connection::query`], after `before` if given (see [`Connection::send`]).
+    async fn query_after<T: FromRedisValue>(&self, before: Option<&Cmd>, command: &Cmd) -> RedisResult<T> {
+        let answer = self.send(before, command)?;
         let value = answer
             .await
             .map_err(|_| broken("the Redis connection was dropped".to_owned()))??;

@@ -155,10 +155,10 @@ fn env_filter(spec: Option<&str>) -> (tracing_subscriber::EnvFilter, Option<Stri
 /// Whether a line of `metadata` may be written beside `spec`'s filter:
 /// one of the [`QUOTING`] libraries' above INFO only where a directive of
 /// `spec` names its module or one around it (`h2`, `h2::codec`), not
-/// scoped to a span. A cap of
-/// its own, not a directive added to the filter: a directive for a span
-/// (`[Connection]=debug`, a span of `h2`'s own) or for a prefix (`h=debug`)
-/// enables DEBUG lines a target directive would not hold back.
+/// scoped to a span. A cap of its own, not a directive added to the
+/// filter: a directive for a span (`[Connection]=debug`, a span of `h2`'s
+/// own) or for a prefix (`h=debug`) enables DEBUG lines a target directive
+/// would not hold back.
 fn uncapped(spec: Option<&str>) -> impl Fn(&tracing::Metadata<'_>) -> bool + Send + Sync + 'static {
     // A directive scoped to a span (`h2[Connection]=debug`) names no
     // module: it would lift the cap outside the span too.
@@ -263,25 +263,11 @@ mod tests {
     /// ERROR it is not raised to INFO.
     #[test]
     fn the_http2_library_stays_at_info_at_most_unless_named() {
-        use tracing_subscriber::prelude::*;
-        // Whether a line is written, as `init` installs the filters.
+        // Whether a line is written.
         macro_rules! enabled {
-            ($spec:expr, $target:literal, $level:expr) => {{
-                let spec = Some($spec);
-                let written = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
-                let writer = {
-                    let written = written.clone();
-                    move || Writer(written.clone())
-                };
-                let cap = tracing_subscriber::filter::filter_fn(uncapped(spec));
-                let subscriber = tracing_subscriber::registry()
-                    .with(env_filter(spec).0)
-                    .with(tracing_subscriber::fmt::layer().with_writer(writer).with_filter(cap));
-                tracing::subscriber::with_default(subscriber, || {
-                    tracing::event!(target: $target, $level, "a line");
-                });
-                !written.lock().unwrap().is_empty()
-            }};
+            ($spec:expr, $target:literal, $level:expr) => {
+                !written(Some($spec), || tracing::event!(target: $target, $level, "a line")).is_empty()
+            };
         }
         use tracing::Level;
         for spec in [
@@ -331,25 +317,12 @@ mod tests {
     /// `h2`'s own): the library's are held back all the same.
     #[test]
     fn a_span_directive_does_not_lift_the_cap() {
-        use tracing_subscriber::prelude::*;
-        let written = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
-        let writer = {
-            let written = written.clone();
-            move || Writer(written.clone())
-        };
-        let spec = Some("info,[Connection]=debug");
-        let subscriber = tracing_subscriber::registry().with(env_filter(spec).0).with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(writer)
-                .with_filter(tracing_subscriber::filter::filter_fn(uncapped(spec))),
-        );
-        tracing::subscriber::with_default(subscriber, || {
+        let written = written(Some("info,[Connection]=debug"), || {
             let span = tracing::info_span!(target: "h2::proto::connection", "Connection");
             let _entered = span.enter();
             tracing::debug!(target: "h2::server", "quoted");
             tracing::debug!(target: "idemgate::proxy", "ours");
         });
-        let written = String::from_utf8(written.lock().unwrap().clone()).unwrap();
         assert!(written.contains("ours") && !written.contains("quoted"), "{written}");
     }
 
@@ -366,6 +339,23 @@ mod tests {
             );
             assert_eq!(subscriber.max_level_hint(), Some(hint), "{spec:?}");
         }
+    }
+
+    /// What `emit` writes under `spec`'s filters, composed as `init`
+    /// composes them.
+    fn written(spec: Option<&str>, emit: impl FnOnce()) -> String {
+        use tracing_subscriber::prelude::*;
+        let written = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+        let writer = {
+            let written = written.clone();
+            move || Writer(written.clone())
+        };
+        let cap = tracing_subscriber::filter::filter_fn(uncapped(spec));
+        let subscriber = tracing_subscriber::registry()
+            .with(env_filter(spec).0)
+            .with(tracing_subscriber::fmt::layer().with_writer(writer).with_filter(cap));
+        tracing::subscriber::with_default(subscriber, emit);
+        String::from_utf8(written.lock().unwrap().clone()).unwrap()
     }
 
     /// A writer into a shared buffer.

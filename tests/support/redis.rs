@@ -20,6 +20,15 @@ pub fn redis_store_within(url: &str, timeout: Duration) -> idemgate::store::Stor
     )
 }
 
+/// A store on the Redis Cluster found through `urls`, with calls and
+/// deadline of `timeout`, as the proxy opens it.
+pub fn cluster_store_within(urls: &[String], timeout: Duration) -> idemgate::store::StoreHandle {
+    idemgate::store::StoreHandle::new(
+        std::sync::Arc::new(idemgate::store::RedisStore::cluster(urls, "idemgate", timeout).unwrap()),
+        timeout,
+    )
+}
+
 /// A free loopback port (and, for a cluster node, its bus port + 10000).
 fn free_port(with_bus: bool) -> u16 {
     loop {
