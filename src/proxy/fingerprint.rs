@@ -20,18 +20,16 @@ use crate::store::Fingerprint;
 /// (raw UTF-8, a space, `"`, `<`, `>`, `\`, `^`, `` ` ``, `{`, `|`, `}`, a
 /// control: parsers let them through; in a path `[` and `]` too, which
 /// only a host may hold), so `/cafés` is `/caf%C3%A9s`, as routing and
-/// `key.derive` read it; `not_as_is` says which bytes those are. A backend that decodes them reads the
-/// same bytes either way, so a retry whose client escapes otherwise is the
-/// same request, not a 422. Nothing else changes: a reserved character and
-/// its escape (`/` and `%2F`, `+` and `%2B`) may mean different things to
-/// a backend, and stay apart. A `%` that starts no escape is `%25`, as a
-/// lenient decoder reads it. Borrowed, with no work beyond one scan, when
-/// there is nothing to change.
+/// `key.derive` read it; `not_as_is` says which bytes those are. A backend
+/// that decodes them reads the same bytes either way, so a retry whose
+/// client escapes otherwise is the same request, not a 422. Nothing else
+/// changes: a reserved character and its escape (`/` and `%2F`, `+` and
+/// `%2B`) may mean different things to a backend, and stay apart. A `%`
+/// that starts no escape is `%25`, as a lenient decoder reads it.
+/// Borrowed, with no work beyond one scan, when there is nothing to
+/// change.
 fn normal_escapes<'a>(text: &'a str, not_as_is: &[bool; 256]) -> Cow<'a, str> {
     let bytes = text.as_bytes();
-    if !bytes.iter().any(|&b| b == b'%' || not_as_is[usize::from(b)]) {
-        return Cow::Borrowed(text);
-    }
     // The byte `bytes[at..]` escapes, if it opens with an escape.
     let escape = |at: usize| -> Option<u8> {
         let digit = |i: usize| (*bytes.get(i)? as char).to_digit(16);
