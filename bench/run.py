@@ -16,6 +16,11 @@ Needs: wrk, nginx, redis-server (Debian packages) and a release build
     python3 bench/run.py --rounds 5 --duration 15 --scenarios memory-new,redis-new
     python3 bench/run.py --workers 4           # idemgate with server.workers = 4
     python3 bench/run.py --binary target/pgo/x86_64-unknown-linux-gnu/release/idemgate   # bench/pgo.py's build
+    python3 bench/run.py --scenarios redis-new,copied-new   # Redis, and Redis with store.wait_for_replicas = 1
+
+`copied-new` (not run by default) is `redis-new` on a Redis with one
+replica and `store.wait_for_replicas = 1`: what the replica's copy of each
+claim and answer costs.
 """
 
 import argparse
@@ -223,6 +228,26 @@ def redis_server(procs):
     return port, server.pid
 
 
+def replica_of(procs, tmp, port):
+    """A redis-server replicating the one on `port`, counted by its `WAIT`
+    (acknowledged once), its copy of the data in `tmp`; returns its pid."""
+    subprocess.run(["redis-cli", "-p", str(port), "config", "set", "repl-diskless-sync-delay", "0"],
+                   capture_output=True, check=True)
+    replica_port = free_port()
+    replica = procs.start(["redis-server", "--port", str(replica_port), "--bind", "127.0.0.1", "--save", "",
+                           "--appendonly", "no", "--replicaof", "127.0.0.1", str(port), "--dir", tmp])
+    wait_port(replica_port)
+    deadline = time.time() + 30
+    while True:
+        out = subprocess.run(["redis-cli", "-p", str(port)], input="SET bench-copied 1\nWAIT 1 100\n",
+                             capture_output=True, text=True).stdout
+        if out.strip().endswith("1"):
+            return replica.pid
+        if time.time() > deadline:
+            sys.exit("the replica never acknowledged a write")
+        time.sleep(0.2)
+
+
 def lua_scripts(tmp, texts):
     """Writes wrk's scripts, (name, text) pairs, to `tmp`; returns their paths by name."""
     scripts = {}
@@ -351,6 +376,7 @@ def main():
         scripts = lua_scripts(tmp, (("new", NEW_KEYS), ("replay", REPLAYS),
                                     ("paced", PACED.replace("{pause_ms}", f"{pause:.2f}"))))
         redis_port, redis_pid = redis_server(procs)
+        replica_pid = None
 
         rows = []
         latency = None
@@ -370,12 +396,16 @@ def main():
                 # growing (page faults, table resizes) and the other not.
                 "memory1m": 'max_memory = "1280MiB"',
                 "redis": f'url = "redis://127.0.0.1:{redis_port}/0"',
+                "copied": f'url = "redis://127.0.0.1:{redis_port}/0"\nwait_for_replicas = 1',
                 "embedded": f'path = "{tmp}/bench-{time.time_ns()}.redb"',
             }[store]
+            if store == "copied" and replica_pid is None:
+                replica_pid = replica_of(procs, tmp, redis_port)
             port = free_port()
             conf = os.path.join(tmp, f"idemgate-{scenario}.toml")
             with open(conf, "w") as f:
-                f.write(IDEMGATE.format(port=port, backend=backend_port, store=store.removesuffix("1m"),
+                f.write(IDEMGATE.format(port=port, backend=backend_port,
+                                        store={"memory1m": "memory", "copied": "redis"}.get(store, store),
                                         server_extra=server_extra(args),
                                         store_extra=extra))
             gate = procs.start([args.binary, "--config", conf], env={**os.environ, "RUST_LOG": "warn"})
@@ -393,7 +423,8 @@ def main():
             ours, theirs = [], []
             for _ in range(args.rounds):
                 theirs.append(measure(nginx_port, nginx_pids, script, args))
-                ours.append(measure(port, [gate.pid], script, args, [redis_pid] if store == "redis" else ()))
+                redis_pids = {"redis": [redis_pid], "copied": [redis_pid, replica_pid]}.get(store, [])
+                ours.append(measure(port, [gate.pid], script, args, redis_pids))
                 print(f"  {scenario}: nginx {theirs[-1]['rps']:.0f} req/s, idemgate {ours[-1]['rps']:.0f} req/s",
                       file=sys.stderr)
             rss = peak_rss_mib(gate.pid)
@@ -422,8 +453,9 @@ def main():
         for scenario, n, i in rows:
             # The table's CPU column is idemgate's own; on Redis the store's
             # server works for each request too, on the same two cores.
-            if scenario.startswith("redis"):
-                print(f"\n{scenario}: redis-server spent {i['store_cpu_us']:.1f} µs of CPU per request besides "
+            if scenario.startswith(("redis", "copied")):
+                servers = "redis-server and its replica" if scenario.startswith("copied") else "redis-server"
+                print(f"\n{scenario}: {servers} spent {i['store_cpu_us']:.1f} µs of CPU per request besides "
                       f"idemgate's {i['cpu_us']:.1f} ({i['cpu_us'] + i['store_cpu_us']:.1f} in all, against "
                       f"nginx's {n['cpu_us']:.1f}).")
         if latency:

@@ -510,6 +510,11 @@ fn store_paths_and_urls_are_checked_before_anything_is_bound() {
             "store.key_prefix",
             "is 65 bytes long: at most 64",
         ),
+        (
+            "backend = \"redis\"\nwait_for_replicas = 65",
+            "store.wait_for_replicas",
+            "must be from 0 to 64",
+        ),
         // Each a Redis URL, but not of one cluster: `serve` could not open it.
         (
             "backend = \"redis\"\nurls = [\"redis://:pw@127.0.0.1:7000\", \"redis://:other@127.0.0.1:7001\"]",
@@ -538,6 +543,13 @@ fn store_paths_and_urls_are_checked_before_anything_is_bound() {
         "x.toml",
     )
     .unwrap();
+    let copied = Config::parse(&format!("{base}backend = \"redis\"\nwait_for_replicas = 2\n"), "x.toml").unwrap();
+    assert_eq!(copied.store.wait_for_replicas, 2);
+    assert!(
+        idemgate::config::store_summary(&copied).ends_with("key_prefix idemgate, wait_for_replicas 2)"),
+        "{}",
+        idemgate::config::store_summary(&copied)
+    );
 }
 
 /// Settings a request could never meet, or that would fail every request,
@@ -990,6 +1002,7 @@ fn redis_fields_without_the_redis_backend_are_an_error() {
         ("urls = [\"redis://127.0.0.1:7000\"]", "store.urls"),
         ("backend = \"memory\"\nurl = \"redis://127.0.0.1:6379/0\"", "store.url"),
         ("key_prefix = \"orders\"", "store.key_prefix"),
+        ("backend = \"memory\"\nwait_for_replicas = 1", "store.wait_for_replicas"),
     ] {
         let error = Config::parse(&format!("{base}{store}\n"), "x.toml")
             .unwrap_err()

@@ -968,6 +968,19 @@ async fn a_reload_names_the_fields_that_wait_for_a_restart() {
         text.contains("lock_timeout 2s is under three times store.timeout (1s)"),
         "{text}"
     );
+    proxy.reload(
+        &upstream.url(),
+        &format!(
+            "[store]\nbackend = \"redis\"\nwait_for_replicas = 1\n{}",
+            support::ORDERS
+        ),
+    );
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    assert!(
+        text.lines()
+            .any(|l| l.contains("store.wait_for_replicas") && l.contains("after a restart")),
+        "{text}"
+    );
     proxy.stop().await;
 }
 

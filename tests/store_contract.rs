@@ -1238,6 +1238,44 @@ async fn redis_cluster_scripts_reach_a_node_without_them_while_another_is_down()
     ));
 }
 
+/// `store.wait_for_replicas` on a Redis Cluster: a write waits for the
+/// replicas of the node that took it. The first and last nodes have a
+/// replica (the last serves the slot of the store's probe, which the first
+/// claim waits on), the second none: claims of the others' slots are
+/// taken, and their replicas hold each; the second's are refused as not
+/// copied.
+#[tokio::test]
+async fn redis_cluster_writes_wait_for_the_replicas_of_their_own_node() {
+    let cluster = support::redis::RedisCluster::start();
+    let replicas = [cluster.add_replica_of(0), cluster.add_replica_of(2)];
+    let timeout = Duration::from_secs(1);
+    let copied = RedisStore::cluster_copied(&cluster.urls(), "idemgate", timeout, 1).unwrap();
+    let store = StoreHandle::new(Arc::new(copied), timeout);
+    // At once, so each node's claims share a batch and its one WAIT.
+    let keys: Vec<RecordKey> = (0..24).map(|_| key()).collect();
+    let claims = keys.iter().map(|k| store.claim(k, &A, Owner::new(), LONG, None));
+    let (mut taken, mut refused) = (0, 0);
+    for claim in futures_util::future::join_all(claims).await {
+        match claim {
+            Ok(Claim::Claimed) => taken += 1,
+            Err(StoreError::Unavailable(why)) => {
+                let why = why.to_string();
+                assert!(why.contains("0 of the 1 replicas"), "{why}");
+                refused += 1;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(taken > 0 && refused > 0, "{taken} taken, {refused} refused");
+    let records = |server: &support::redis::RedisServer| {
+        let found = server.cli(&["--scan", "--pattern", "idemgate:*"]).unwrap();
+        found.lines().count()
+    };
+    assert_eq!(records(&cluster.nodes[0]) + records(&cluster.nodes[2]), taken);
+    assert_eq!(records(&replicas[0]), records(&cluster.nodes[0]));
+    assert_eq!(records(&replicas[1]), records(&cluster.nodes[2]));
+}
+
 /// A primary that stops answering without closing its connections (a hung
 /// process, a paused machine) and is failed over to its replica: claims of
 /// its slots go to the new primary within seconds, though the client

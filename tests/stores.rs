@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::StatusCode;
-use support::redis::{RedisCluster, RedisServer, cluster_store_within, redis_store, redis_store_within};
+use support::redis::{
+    RedisCluster, RedisServer, cluster_store_within, copied_store_within, redis_store, redis_store_within,
+};
 use support::{Binary, Proxy, Reply, TestClient, Upstream};
 use tokio::time::Instant;
 
@@ -395,6 +397,65 @@ async fn a_redis_failover_behind_one_address_is_followed_without_a_restart() {
         client.send("GET", &ready, &[], "").await.status,
         StatusCode::SERVICE_UNAVAILABLE
     );
+}
+
+/// `store.wait_for_replicas`: Redis's replication is asynchronous, and a
+/// claim or answer the primary took but no replica copied is lost in a
+/// failover. With it, a request reaches the backend only once a replica
+/// holds its claim, and the client has the answer's last byte only once a
+/// replica holds the answer; a replica that does not copy them in time
+/// makes the store unavailable (503), and the claim is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_wait_for_replicas_a_request_runs_only_once_a_replica_holds_its_claim() {
+    let primary = RedisServer::start();
+    let replica = RedisServer::start_replica_of(&primary);
+    let upstream = Upstream::created().await;
+    let store = copied_store_within(&primary.url(), 1, Duration::from_secs(1));
+    let proxy = Proxy::start_with_store(&upstream.url(), ROUTE, store).await;
+    let client = TestClient::default();
+    let orders = proxy.url("/v1/orders");
+    let held = |server: &RedisServer| server.cli(&["--scan", "--pattern", "idemgate:*"]).unwrap();
+
+    let copied = client.post(&orders, "copied", "{}").await;
+    assert_eq!(copied.status, StatusCode::CREATED, "{}", copied.text());
+    let on_replica = held(&replica);
+    assert_eq!(on_replica.lines().count(), 1, "{on_replica:?}");
+    assert_eq!(
+        replica.cli(&["--no-raw", "get", on_replica.trim()]),
+        primary.cli(&["--no-raw", "get", on_replica.trim()]),
+        "the replica holds the answer, not the claim"
+    );
+
+    // Nothing copies: refused before the backend sees anything.
+    replica.pause();
+    let started = Instant::now();
+    let refused = client.post(&orders, "uncopied", "{}").await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE, "{}", refused.text());
+    assert_eq!(refused.problem(), "store-unavailable");
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    assert_eq!(upstream.hits(), 1);
+
+    // Copying again: the refused key was released, and runs once.
+    replica.resume();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let again = client.post(&orders, "uncopied", "{}").await;
+        if again.status == StatusCode::CREATED && !again.replayed() {
+            break;
+        }
+        assert!(
+            again.status == StatusCode::SERVICE_UNAVAILABLE || again.status == StatusCode::CONFLICT,
+            "{}",
+            again.text()
+        );
+        assert!(Instant::now() < deadline, "the key never ran: {}", again.text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(upstream.hits(), 2);
+    let replayed = client.post(&orders, "copied", "{}").await;
+    assert!(replayed.replayed(), "{}", replayed.text());
+    assert_eq!(held(&replica).lines().count(), 2);
+    assert_eq!(upstream.hits(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -73,7 +73,13 @@ pub struct StoreConfig {
     /// so deployments in front of different services can share a Redis
     /// (a Redis Cluster has one database).
     pub key_prefix: String,
+    /// Redis: how many replicas must hold a write before it counts (each
+    /// batch of commands is followed by `WAIT`); 0, once the primary has it.
+    pub wait_for_replicas: u32,
 }
+
+/// The most `store.wait_for_replicas` may ask for.
+pub const MAX_WAIT_FOR_REPLICAS: u64 = 64;
 
 /// The longest `store.key_prefix`.
 pub const MAX_KEY_PREFIX: usize = 64;
@@ -563,14 +569,22 @@ pub fn warnings(config: &Config) -> Vec<String> {
 /// The store and its settings, its passwords masked: for `idemgate check`
 /// and the line logged at start.
 pub fn store_summary(config: &Config) -> String {
+    let copies = match config.store.wait_for_replicas {
+        0 => String::new(),
+        n => format!(", wait_for_replicas {n}"),
+    };
     match &config.store.backend {
         StoreBackend::Memory { max_memory } => format!("memory (max_memory {})", size(*max_memory)),
         StoreBackend::Embedded { path } => format!("embedded (path {})", path.display()),
-        StoreBackend::Redis { url } => format!("redis (url {}, key_prefix {})", masked(url), config.store.key_prefix),
+        StoreBackend::Redis { url } => format!(
+            "redis (url {}, key_prefix {}{copies})",
+            masked(url),
+            config.store.key_prefix
+        ),
         StoreBackend::RedisCluster { urls } => {
             let urls: Vec<String> = urls.iter().map(|u| masked(u)).collect();
             format!(
-                "redis cluster (urls {}, key_prefix {})",
+                "redis cluster (urls {}, key_prefix {}{copies})",
                 urls.join(", "),
                 config.store.key_prefix
             )

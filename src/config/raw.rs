@@ -64,6 +64,7 @@ pub struct RawStore {
     pub on_error: Option<String>,
     pub timeout: Option<String>,
     pub key_prefix: Option<String>,
+    pub wait_for_replicas: Option<u64>,
 }
 
 /// A size: a plain integer of bytes or a string such as `"64KiB"`.

@@ -620,6 +620,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         ("store.url", st.url.is_some()),
         ("store.urls", st.urls.is_some()),
         ("store.key_prefix", st.key_prefix.is_some()),
+        ("store.wait_for_replicas", st.wait_for_replicas.is_some()),
     ];
     for (field, set) in redis_fields {
         if set && matches!(backend_name, "memory" | "embedded") {
@@ -661,11 +662,21 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         "idemgate".to_owned(),
         |prefix| key_prefix(prefix),
     );
+    let wait_for_replicas = c.field(
+        "store.wait_for_replicas",
+        st.wait_for_replicas.as_ref(),
+        0,
+        |n| match *n {
+            0..=MAX_WAIT_FOR_REPLICAS => Ok(*n as u32),
+            _ => Err(format!("must be from 0 to {MAX_WAIT_FOR_REPLICAS}")),
+        },
+    );
     let store = StoreConfig {
         backend,
         on_error: c.choice("store.on_error", st.on_error.as_ref(), OnStoreError::Reject),
         timeout: c.positive_duration("store.timeout", st.timeout.as_ref(), Duration::from_secs(1)),
         key_prefix,
+        wait_for_replicas,
     };
 
     let defaults = policy(&mut c, &raw.defaults, &builtin_policy(), "defaults");

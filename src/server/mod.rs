@@ -164,6 +164,10 @@ impl Reloader {
             (store_changed.unwrap_or("store.backend"), store_changed.is_some()),
             ("store.timeout", config.store.timeout != before.store.timeout),
             ("store.key_prefix", config.store.key_prefix != before.store.key_prefix),
+            (
+                "store.wait_for_replicas",
+                config.store.wait_for_replicas != before.store.wait_for_replicas,
+            ),
         ];
         let waiting = restart_only
             .iter()
@@ -185,6 +189,7 @@ impl Reloader {
         config.store.backend = before.store.backend.clone();
         config.store.timeout = before.store.timeout;
         config.store.key_prefix = before.store.key_prefix.clone();
+        config.store.wait_for_replicas = before.store.wait_for_replicas;
         // Of the configuration as applied: a lease is renewed within the
         // store timeout in force, not the one the file asks for next.
         let warnings = crate::config::warnings(&config);

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use redis::{Cmd, ConnectionAddr, ConnectionInfo, FromRedisValue, RedisError, RedisResult, Value};
 
-use super::redis::{DEAD_PATH, PerThread, probes};
+use super::redis::{DEAD_PATH, PerThread, copy_wait, probes};
 use super::{lock, resp};
 use crate::clock::coarse_now;
 
@@ -162,6 +162,8 @@ pub(super) struct Cluster {
     template: Box<ConnectionInfo>,
     /// The store's timeout: a command's, and a map request's.
     timeout: Duration,
+    /// How many replicas must hold a write (`store.wait_for_replicas`).
+    replicas: u32,
     /// The URLs' addresses, always asked for the map.
     seeds: Vec<Node>,
     maps: Arc<Maps>,
@@ -239,7 +241,9 @@ impl Thread {
 
 impl Cluster {
     /// A cluster found through `urls`; each must be plain TCP.
-    pub(super) fn new(urls: &[ConnectionInfo], timeout: Duration) -> RedisResult<Cluster> {
+    /// Its writes count once `replicas` of their node's replicas hold them
+    /// ([`resp::Target::copied_to`]).
+    pub(super) fn new(urls: &[ConnectionInfo], timeout: Duration, replicas: u32) -> RedisResult<Cluster> {
         let template = urls
             .first()
             .cloned()
@@ -255,6 +259,7 @@ impl Cluster {
         Ok(Cluster {
             template: Box::new(template),
             timeout,
+            replicas,
             seeds,
             maps: Arc::new(Maps {
                 map: Mutex::new(Arc::new(SlotMap::empty())),
@@ -403,7 +408,8 @@ impl Cluster {
             .clone()
             .set_addr(ConnectionAddr::Tcp(node.0.clone(), node.1));
         let target = resp::Target::new(&info, self.timeout, DEAD_PATH, probes())
-            .expect("a plain TCP address, as every URL was checked to be");
+            .expect("a plain TCP address, as every URL was checked to be")
+            .copied_to(self.replicas, copy_wait(self.timeout));
         let connection = resp::Connection::new(Arc::new(target));
         thread.connections.insert(node.clone(), connection.clone());
         connection
@@ -522,7 +528,7 @@ async fn agreed_answer(asks: Vec<(String, resp::Connection)>, timeout: Duration)
         .map(|(host, connection)| async move {
             let command = redis::cmd("CLUSTER").arg("SLOTS").clone();
             let answer: Value = connection
-                .query(&command)
+                .query_read_only(&command)
                 .await
                 .map_err(|error| resp::unquoted(&error.to_string()).into_owned())?;
             let owners =
@@ -530,7 +536,10 @@ async fn agreed_answer(asks: Vec<(String, resp::Connection)>, timeout: Duration)
             // Asked once the map has come, so a node that cannot be reached
             // fails on the map, as it always did. A user not allowed
             // `CLUSTER MYID` still votes, as a node of its own.
-            let id: Option<String> = connection.query(&redis::cmd("CLUSTER").arg("MYID").clone()).await.ok();
+            let id: Option<String> = connection
+                .query_read_only(&redis::cmd("CLUSTER").arg("MYID").clone())
+                .await
+                .ok();
             Ok::<_, String>((id, owners))
         })
         .collect();
@@ -779,7 +788,7 @@ mod tests {
     #[test]
     fn a_look_at_the_map_left_unfinished_is_not_left_running() {
         let url = redis::IntoConnectionInfo::into_connection_info("redis://127.0.0.1:1").unwrap();
-        let cluster = Cluster::new(&[url], Duration::from_millis(100)).unwrap();
+        let cluster = Cluster::new(&[url], Duration::from_millis(100), 0).unwrap();
         let running = || lock(&cluster.maps.refresh).running;
         cluster.refresh_soon();
         assert!(!running(), "with no runtime to run it");

@@ -579,16 +579,19 @@ impl StoreHandle {
                 })?)
             }
             StoreBackend::Redis { url } => Arc::new(
-                RedisStore::single(url, &config.key_prefix, config.timeout).map_err(|source| OpenError::Redis {
-                    field: "store.url",
-                    source,
-                })?,
+                RedisStore::single_copied(url, &config.key_prefix, config.timeout, config.wait_for_replicas).map_err(
+                    |source| OpenError::Redis {
+                        field: "store.url",
+                        source,
+                    },
+                )?,
             ),
             StoreBackend::RedisCluster { urls } => Arc::new(
-                RedisStore::cluster(urls, &config.key_prefix, config.timeout).map_err(|source| OpenError::Redis {
-                    field: "store.urls",
-                    source,
-                })?,
+                RedisStore::cluster_copied(urls, &config.key_prefix, config.timeout, config.wait_for_replicas)
+                    .map_err(|source| OpenError::Redis {
+                        field: "store.urls",
+                        source,
+                    })?,
             ),
         };
         Ok(StoreHandle::new(store, config.timeout))

@@ -20,6 +20,12 @@
 //! Redis Cluster each command goes to the node that serves its key's
 //! slot, over the thread's own connection to it ([`super::cluster`]).
 //!
+//! Replication is asynchronous: with `store.wait_for_replicas`, every
+//! batch of commands a connection writes is followed by `WAIT`, and its
+//! answers count only once that many replicas hold its writes
+//! ([`resp::Target::copied_to`]), so a failover loses no claim or answer
+//! a caller was told of. Fewer in time, and the calls fail as unavailable.
+//!
 //! Redis must not evict keys (an evicted claim would let a retry through):
 //! the store warns about any server whose `maxmemory-policy` is not
 //! `noeviction` ([`warn_if_evicting`]).
@@ -712,6 +718,16 @@ fn unavailable(e: RedisError) -> StoreError {
     }
 }
 
+/// How long Redis waits for replicas to copy a batch of writes
+/// (`WAIT`'s timeout) under a store timeout of `timeout`: half of it, so
+/// that a copy that is late fails the call with its own error (how many
+/// replicas hold the write) before the deadline ends it with none, and a
+/// batch held up behind another's wait still mostly lands within the
+/// deadline.
+pub(super) fn copy_wait(timeout: Duration) -> Duration {
+    timeout / 2
+}
+
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
@@ -780,11 +796,19 @@ impl RedisStore {
     /// One Redis server at `url`, its records' keys under `prefix`.
     /// Connects lazily and reconnects by itself.
     pub fn single(url: &str, prefix: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
+        RedisStore::single_copied(url, prefix, timeout, 0)
+    }
+
+    /// [`RedisStore::single`], whose writes count only once `replicas` of
+    /// the server's replicas hold them (`store.wait_for_replicas`), each
+    /// `WAIT` given half of `timeout`.
+    pub fn single_copied(url: &str, prefix: &str, timeout: Duration, replicas: u32) -> Result<RedisStore, StoreError> {
         let client = open(url).map_err(unavailable)?;
         // Every call already has the store's deadline (`StoreHandle`, `wait`
         // included): a command has no timer of its own.
-        let target =
-            resp::Target::new(client.get_connection_info(), timeout, DEAD_PATH, probes()).map_err(unavailable)?;
+        let target = resp::Target::new(client.get_connection_info(), timeout, DEAD_PATH, probes())
+            .map_err(unavailable)?
+            .copied_to(replicas, copy_wait(timeout));
         let connection = Connection::Single {
             target: Arc::new(target),
             connections: PerThread::new(),
@@ -795,6 +819,18 @@ impl RedisStore {
     /// A Redis Cluster, found through any of `urls`, its records' keys
     /// under `prefix`.
     pub fn cluster(urls: &[String], prefix: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
+        RedisStore::cluster_copied(urls, prefix, timeout, 0)
+    }
+
+    /// [`RedisStore::cluster`], whose writes count only once `replicas` of
+    /// their node's replicas hold them (`store.wait_for_replicas`), each
+    /// `WAIT` given half of `timeout`.
+    pub fn cluster_copied(
+        urls: &[String],
+        prefix: &str,
+        timeout: Duration,
+        replicas: u32,
+    ) -> Result<RedisStore, StoreError> {
         // PUBLISH reaches every node of a cluster: subscribe to any of them.
         let nodes = urls
             .iter()
@@ -805,7 +841,7 @@ impl RedisStore {
             return Err(StoreError::NotSent("no Redis Cluster URL".into()));
         }
         let infos: Vec<_> = nodes.iter().map(|node| node.get_connection_info().clone()).collect();
-        let cluster = Cluster::new(&infos, timeout).map_err(unavailable)?;
+        let cluster = Cluster::new(&infos, timeout, replicas).map_err(unavailable)?;
         Ok(RedisStore::new(
             Connection::Cluster(cluster),
             KeyPrefix::new(prefix),
@@ -922,11 +958,21 @@ impl RedisStore {
         // Under the records' prefix, which a Redis user's key patterns
         // allow (`~<prefix>:*`).
         let key = [&self.prefix.0[..], b"ping}"].concat();
-        self.eval_filling::<i64>(&self.scripts.ping, &key, &[]).await?;
-        if !self.scripts_run.load(Ordering::Relaxed) {
+        let result = self.eval_filling::<i64>(&self.scripts.ping, &key, &[]).await;
+        // Run, if too few replicas hold its write (`store.wait_for_replicas`;
+        // its node's replicas alone, on a cluster): the scripts are known
+        // to run all the same.
+        let ran = match &result {
+            Ok(_) => true,
+            Err(StoreError::Unavailable(error)) => error
+                .downcast_ref::<RedisError>()
+                .is_some_and(|error| error.kind() == redis::ErrorKind::Extension),
+            Err(_) => false,
+        };
+        if ran && !self.scripts_run.load(Ordering::Relaxed) {
             self.scripts_run.store(true, Ordering::Relaxed);
         }
-        Ok(())
+        result.map(drop)
     }
 
     /// [`RedisStore::eval_on`] on `connection`, with Redis's own error.
@@ -1020,12 +1066,16 @@ impl RedisStore {
         lease: Duration,
         refresh_ttl: Option<Duration>,
     ) -> Result<Claim, StoreError> {
-        if !self.scripts_run.load(Ordering::Relaxed) {
+        if !self.scripts_run.load(Ordering::Relaxed)
+            && let Err(error) = self.probe().await
+            // Failed, but the scripts ran: claimed all the same.
+            && !self.scripts_run.load(Ordering::Relaxed)
+        {
             // Not sent: the claim waits on the probe.
-            self.probe().await.map_err(|error| match error {
+            return Err(match error {
                 StoreError::Unavailable(why) | StoreError::NotSent(why) => StoreError::NotSent(why),
                 other => other,
-            })?;
+            });
         }
         let claim = codec::in_flight(fingerprint, owner);
         let claimed = if self.memory.full() {

@@ -29,6 +29,10 @@
 //! [`MAX_UNSENT`] bytes of a connection; past that, a command fails at
 //! once rather than pile up behind them.
 //!
+//! A target may ask for copies ([`Target::copied_to`]): each batch that
+//! carries a write is then followed by `WAIT`, and the answers of its
+//! writes are held until Redis says enough replicas hold them.
+//!
 //! Every connection opens with its greeting (`AUTH` and `SELECT` as the
 //! URL asks, else `PING`), so a server that refuses it (a wrong password,
 //! no such database, its client limit reached) fails the connect, never a
@@ -59,6 +63,9 @@ pub struct Target {
     connect_timeout: Duration,
     user_timeout: Duration,
     keepalive: TcpKeepalive,
+    /// How many replicas must hold each batch's writes, and how long
+    /// Redis waits for them (see [`Target::copied_to`]).
+    replicas: Option<(u32, Duration)>,
 }
 
 enum Address {
@@ -95,7 +102,32 @@ impl Target {
             connect_timeout,
             user_timeout,
             keepalive,
+            replicas: None,
         })
+    }
+
+    /// This target, with every batch of commands written to it followed
+    /// by `WAIT replicas within`: the batch's answers are handed out only
+    /// once Redis says that many replicas hold its writes, and if fewer
+    /// do within `within`, each answer is a [`not_copied`] error instead
+    /// (the writes stay on the primary: a claim among them is released).
+    /// One `WAIT` covers every command the batch carries, so a busy
+    /// connection pays one replica round trip per write it makes, not one
+    /// per command. `replicas` 0 sends none.
+    pub fn copied_to(mut self, replicas: u32, within: Duration) -> Target {
+        self.replicas = (replicas > 0).then_some((replicas, within.max(Duration::from_millis(1))));
+        self
+    }
+
+    /// The `WAIT` that follows each batch, and how many replicas it asks for.
+    fn wait_command(&self) -> Option<(Vec<u8>, u32)> {
+        let (replicas, within) = self.replicas?;
+        let mut bytes = Vec::new();
+        redis::cmd("WAIT")
+            .arg(replicas)
+            .arg(within.as_millis() as u64)
+            .write_packed_command(&mut bytes);
+        Some((bytes, replicas))
     }
 
     /// The `AUTH` and `SELECT` a new connection sends before anything else;
@@ -151,11 +183,30 @@ struct State {
     out: Vec<u8>,
     /// A slot for each command sent and not yet answered, oldest first;
     /// the last `unsent` of them are those still in `out`.
-    waiting: VecDeque<oneshot::Sender<RedisResult<Value>>>,
+    waiting: VecDeque<Slot>,
     unsent: usize,
+    /// Whether a command in `out` writes (see [`Connection::send`]).
+    writes_unsent: bool,
+    /// Whether a `WAIT` is written and not yet answered: meanwhile the
+    /// writer holds what gathers, to send it as one batch behind one
+    /// `WAIT` once it is answered (Redis would hold it anyway, as a client
+    /// blocked in `WAIT` has nothing else run, and then make each batch
+    /// written meanwhile wait for a replica round trip of its own).
+    copying: bool,
     /// The reader and writer of the live connection.
     tasks: Vec<AbortHandle>,
     backoff: Backoff,
+}
+
+/// Where an answer goes.
+enum Slot {
+    /// To the command's caller (who may have stopped waiting); if the
+    /// command writes, once the `WAIT` after its batch says enough
+    /// replicas hold it.
+    Caller(oneshot::Sender<RedisResult<Value>>, bool),
+    /// It is the answer to the `WAIT` after a batch, which asked for this
+    /// many replicas ([`Target::copied_to`]).
+    Copies(u32),
 }
 
 enum Link {
@@ -185,6 +236,8 @@ impl Connection {
                     out: Vec::new(),
                     waiting: VecDeque::new(),
                     unsent: 0,
+                    writes_unsent: false,
+                    copying: false,
                     tasks: Vec::new(),
                     backoff: Backoff::default(),
                 }),
@@ -196,7 +249,16 @@ impl Connection {
     /// Sends `command` and reads its answer as `T`; an error answer is an
     /// `Err` of its kind (`NOSCRIPT`, ...).
     pub async fn query<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
-        self.query_after(None, command).await
+        self.query_after(None, command, true).await
+    }
+
+    /// [`Connection::query`] for a command that writes nothing (`CLUSTER
+    /// SLOTS`): where the target asks for copies, its answer is handed out
+    /// as it comes, and a batch of none but such commands is followed by no
+    /// `WAIT` (which, on a node whose replicas are missing, would hold the
+    /// connection for its whole timeout).
+    pub async fn query_read_only<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
+        self.query_after(None, command, false).await
     }
 
     /// [`Connection::query`] with `ASKING` before it, the two queued
@@ -204,12 +266,17 @@ impl Connection {
     /// one-shot flag (`ASKING` lets the node a slot migrates to take a
     /// command for it).
     pub async fn query_asking<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
-        self.query_after(Some(&redis::cmd("ASKING")), command).await
+        self.query_after(Some(&redis::cmd("ASKING")), command, true).await
     }
 
     /// [`Connection::query`], after `before` if given (see [`Connection::send`]).
-    async fn query_after<T: FromRedisValue>(&self, before: Option<&Cmd>, command: &Cmd) -> RedisResult<T> {
-        let answer = self.send(before, command)?;
+    async fn query_after<T: FromRedisValue>(
+        &self,
+        before: Option<&Cmd>,
+        command: &Cmd,
+        writes: bool,
+    ) -> RedisResult<T> {
+        let answer = self.send(before, command, writes)?;
         let value = answer
             .await
             .map_err(|_| broken("the Redis connection was dropped".to_owned()))??;
@@ -217,8 +284,15 @@ impl Connection {
     }
 
     /// Queues `command`, after `before` if given (whose answer is let go),
-    /// connecting first when there is no connection.
-    fn send(&self, before: Option<&Cmd>, command: &Cmd) -> RedisResult<oneshot::Receiver<RedisResult<Value>>> {
+    /// connecting first when there is no connection. A command that
+    /// `writes` is answered only once enough replicas hold it, where the
+    /// target asks for copies.
+    fn send(
+        &self,
+        before: Option<&Cmd>,
+        command: &Cmd,
+        writes: bool,
+    ) -> RedisResult<oneshot::Receiver<RedisResult<Value>>> {
         let (slot, answer) = oneshot::channel();
         let mut state = lock(&self.shared.state);
         if state.waiting.len() >= MAX_WAITING {
@@ -249,12 +323,13 @@ impl Connection {
         };
         if let Some(before) = before {
             before.write_packed_command(&mut state.out);
-            state.waiting.push_back(oneshot::channel().0);
+            state.waiting.push_back(Slot::Caller(oneshot::channel().0, false));
             state.unsent += 1;
         }
         command.write_packed_command(&mut state.out);
-        state.waiting.push_back(slot);
+        state.waiting.push_back(Slot::Caller(slot, writes));
         state.unsent += 1;
+        state.writes_unsent |= writes;
         drop(state);
         if wake {
             self.written.notify_one();
@@ -339,6 +414,8 @@ impl Shared {
             state.epoch += 1;
             state.link = Link::Down;
             empty(&mut state.out);
+            state.writes_unsent = false;
+            state.copying = false;
             let unsent = std::mem::take(&mut state.unsent);
             (
                 std::mem::take(&mut state.waiting),
@@ -352,11 +429,14 @@ impl Shared {
         let written = waiting.len() - unsent;
         let never_written = (unsent > 0).then(|| not_sent(error.to_string()));
         for (at, slot) in waiting.into_iter().enumerate() {
+            let Slot::Caller(caller, _) = slot else {
+                continue;
+            };
             let error = match &never_written {
                 Some(never_written) if at >= written => never_written,
                 _ => error,
             };
-            let _ = slot.send(Err(error.clone()));
+            let _ = caller.send(Err(error.clone()));
         }
     }
 
@@ -396,7 +476,7 @@ impl Shared {
             epoch,
         };
         let tasks = vec![
-            tokio::spawn(read(ends(), source)).abort_handle(),
+            tokio::spawn(read(ends(), written.clone(), source)).abort_handle(),
             tokio::spawn(write(ends(), written, sink)).abort_handle(),
         ];
         let mut state = lock(&self.state);
@@ -602,10 +682,14 @@ async fn say<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, commands: &[Cmd]
     Ok(refusal)
 }
 
-/// Writes whatever commands have gathered, in one write, until the
-/// connection of `epoch` ends.
+/// Writes whatever commands have gathered, in one write (followed by a
+/// `WAIT` when the target asks for copies), until the connection of
+/// `epoch` ends.
 async fn write<W: AsyncWrite + Unpin>(ends: EndsWith, written: Arc<Notify>, mut sink: W) {
     let (weak, epoch) = (ends.shared.clone(), ends.epoch);
+    let Some(wait) = weak.upgrade().map(|shared| shared.target.wait_command()) else {
+        return;
+    };
     let mut batch = Vec::new();
     loop {
         {
@@ -616,8 +700,18 @@ async fn write<W: AsyncWrite + Unpin>(ends: EndsWith, written: Arc<Notify>, mut 
             if state.epoch != epoch {
                 return;
             }
-            std::mem::swap(&mut state.out, &mut batch);
-            state.unsent = 0;
+            // While a `WAIT` is answered, what gathers is held; its answer
+            // wakes this task again.
+            if !state.copying {
+                std::mem::swap(&mut state.out, &mut batch);
+                state.unsent = 0;
+                let writes = std::mem::take(&mut state.writes_unsent);
+                if let Some((command, replicas)) = wait.as_ref().filter(|_| writes) {
+                    batch.extend_from_slice(command);
+                    state.waiting.push_back(Slot::Copies(*replicas));
+                    state.copying = true;
+                }
+            }
         }
         if batch.is_empty() {
             written.notified().await;
@@ -635,11 +729,15 @@ async fn write<W: AsyncWrite + Unpin>(ends: EndsWith, written: Arc<Notify>, mut 
 
 /// Reads answers and hands each to its command's slot, until the
 /// connection of `epoch` ends.
-async fn read<R: AsyncRead + Unpin>(ends: EndsWith, mut source: R) {
+async fn read<R: AsyncRead + Unpin>(ends: EndsWith, written: Arc<Notify>, mut source: R) {
     let (weak, epoch) = (ends.shared.clone(), ends.epoch);
+    let Some(copies) = weak.upgrade().map(|shared| shared.target.replicas) else {
+        return;
+    };
     let mut buf = BytesMut::with_capacity(16 << 10);
     let mut answers = Vec::new();
     let mut slots = Vec::new();
+    let mut held = Held(Vec::new());
     // Whether the answer at the front has come in pieces: it is then walked
     // to its end before it is parsed, as a long list parsed (its items
     // copied out) at each read would cost its length squared.
@@ -685,13 +783,35 @@ async fn read<R: AsyncRead + Unpin>(ends: EndsWith, mut source: R) {
                 return shared.fail(epoch, &error);
             }
             slots.extend(state.waiting.drain(..answers.len()));
+            if state.copying && slots.iter().any(|slot| matches!(slot, Slot::Copies(_))) {
+                state.copying = false;
+                if !state.out.is_empty() {
+                    written.notify_one();
+                }
+            }
         }
         // A server that became a replica (a failover behind a name or a
         // virtual address) answers every write READONLY and keeps the
         // connection: drop it, so the next connect finds the primary.
         let demoted = answers.iter().any(read_only);
         for (slot, answer) in slots.drain(..).zip(answers.drain(..)) {
-            let _ = slot.send(Ok(answer));
+            match slot {
+                Slot::Caller(caller, true) if copies.is_some() => held.0.push((caller, answer)),
+                Slot::Caller(caller, _) => {
+                    let _ = caller.send(Ok(answer));
+                }
+                Slot::Copies(replicas) => {
+                    let short = copied_short(&answer, replicas, copies.map_or(Duration::ZERO, |(_, within)| within));
+                    for (caller, answer) in held.0.drain(..) {
+                        // An error answer wrote nothing: passed on as it is.
+                        let answer = match &short {
+                            Some(error) if !matches!(answer, Value::ServerError(_)) => Err(error.clone()),
+                            _ => Ok(answer),
+                        };
+                        let _ = caller.send(answer);
+                    }
+                }
+            }
         }
         if demoted {
             let why = "the Redis server is a read-only replica (failed over?)".to_owned();
@@ -699,6 +819,48 @@ async fn read<R: AsyncRead + Unpin>(ends: EndsWith, mut source: R) {
             return shared.fail(epoch, &broken(why));
         }
     }
+}
+
+/// Answers Redis gave before it said how many replicas hold their writes
+/// (the `WAIT` after their batch), with their callers. Dropped so (the
+/// connection broke, its reader stopped), each caller gets an error: the
+/// command ran on the primary, and may not outlive a failover. (An error
+/// answer, which wrote nothing, is passed on as it is: a `READONLY`.)
+struct Held(Vec<(oneshot::Sender<RedisResult<Value>>, Value)>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        for (caller, answer) in self.0.drain(..) {
+            let _ = caller.send(match answer {
+                Value::ServerError(_) => Ok(answer),
+                _ => Err(broken(
+                    "the Redis connection ended before Redis said how many replicas hold the write".to_owned(),
+                )),
+            });
+        }
+    }
+}
+
+/// Why the `WAIT` after a batch, asking for `replicas` within `within`,
+/// answered with too few, if it did.
+fn copied_short(answer: &Value, replicas: u32, within: Duration) -> Option<RedisError> {
+    let why = match answer {
+        Value::Int(held) if *held >= i64::from(replicas) => return None,
+        Value::Int(held) => format!(
+            "{held} of the {replicas} replicas store.wait_for_replicas asks for hold the write after {} ms",
+            within.as_millis()
+        ),
+        Value::ServerError(error) => format!("Redis refused WAIT: {error}"),
+        other => format!("Redis answered WAIT with {other:?}"),
+    };
+    Some(not_copied(why))
+}
+
+/// The error of a command that Redis ran, but that fewer replicas than
+/// asked for hold (see [`Target::copied_to`]): its kind is the redis
+/// crate's for an error it does not know, which calls for no retry.
+pub(super) fn not_copied(detail: String) -> RedisError {
+    RedisError::from((ErrorKind::Extension, "not copied to enough replicas", detail))
 }
 
 /// How long after a READONLY answer the next connect waits: a replica is
@@ -901,9 +1063,9 @@ mod tests {
         let connection = connection_to(listener.local_addr().unwrap());
         let ping = redis::cmd("PING");
         let held: Vec<_> = (0..MAX_WAITING)
-            .map(|_| connection.send(None, &ping).unwrap())
+            .map(|_| connection.send(None, &ping, true).unwrap())
             .collect();
-        assert!(connection.send(None, &ping).is_err());
+        assert!(connection.send(None, &ping, true).is_err());
 
         let (mut peer, _) = listener.accept().await.unwrap();
         let packed = ping.get_packed_command();
@@ -923,8 +1085,8 @@ mod tests {
     async fn commands_given_up_before_they_are_written_are_still_sent() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let connection = connection_to(listener.local_addr().unwrap());
-        let first = connection.send(None, &echo("first")).unwrap();
-        let kept = connection.send(None, &echo("kept")).unwrap();
+        let first = connection.send(None, &echo("first"), true).unwrap();
+        let kept = connection.send(None, &echo("kept"), true).unwrap();
 
         let (mut peer, _) = listener.accept().await.unwrap();
         receive(&mut peer, &redis::cmd("PING").get_packed_command()).await;
@@ -934,6 +1096,92 @@ mod tests {
         receive(&mut peer, &both).await;
         peer.write_all(b"$5\r\nfirst\r\n$4\r\nkept\r\n").await.unwrap();
         assert_eq!(kept.await.unwrap().unwrap(), Value::BulkString(b"kept".to_vec()));
+    }
+
+    /// With copies asked for, each batch is followed by `WAIT`, and its
+    /// answers are handed out only once `WAIT` says enough replicas hold
+    /// its writes; too few fail every answer but an error (which wrote
+    /// nothing), and a connection that breaks in between fails them too.
+    #[tokio::test]
+    async fn answers_wait_for_the_replicas_a_target_asks_for() {
+        use redis::IntoConnectionInfo;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("redis://{}/0", listener.local_addr().unwrap());
+        let target = Target::new(
+            &url.into_connection_info().unwrap(),
+            Duration::from_secs(2),
+            Duration::from_secs(5),
+            TcpKeepalive::new(),
+        )
+        .unwrap()
+        .copied_to(2, Duration::from_millis(250));
+        let connection = Connection::new(Arc::new(target));
+        let wait = redis::cmd("WAIT").arg(2).arg(250).get_packed_command();
+
+        let mut a = connection.send(None, &echo("a"), true).unwrap();
+        let (mut peer, _) = listener.accept().await.unwrap();
+        receive(&mut peer, &redis::cmd("PING").get_packed_command()).await;
+        peer.write_all(b"+PONG\r\n").await.unwrap();
+        receive(&mut peer, &[echo("a").get_packed_command(), wait.clone()].concat()).await;
+        peer.write_all(b"$1\r\na\r\n").await.unwrap();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), &mut a).await.is_err(),
+            "answered before WAIT was"
+        );
+        // Sent while a WAIT is unanswered: held, and written as one batch
+        // behind one WAIT once it is answered.
+        let b = connection.send(None, &echo("b"), true).unwrap();
+        tokio::task::yield_now().await;
+        let refused = connection.send(None, &echo("refused"), true).unwrap();
+        let mut early = [0u8; 1];
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), peer.read(&mut early))
+                .await
+                .is_err(),
+            "written while a WAIT was unanswered"
+        );
+        peer.write_all(b":2\r\n").await.unwrap();
+        assert_eq!(a.await.unwrap().unwrap(), Value::BulkString(b"a".to_vec()));
+
+        // One replica of the two holds that batch.
+        let both = [echo("b").get_packed_command(), echo("refused").get_packed_command()].concat();
+        receive(&mut peer, &[both, wait.clone()].concat()).await;
+        peer.write_all(b"$1\r\nb\r\n-ERR no\r\n:1\r\n").await.unwrap();
+        let short = b.await.unwrap().unwrap_err();
+        assert_eq!(short.kind(), ErrorKind::Extension);
+        assert!(
+            short
+                .to_string()
+                .contains("1 of the 2 replicas store.wait_for_replicas asks for hold the write after 250 ms"),
+            "{short}"
+        );
+        assert!(matches!(refused.await.unwrap(), Ok(Value::ServerError(_))));
+
+        // A command that writes nothing is answered as it comes, and alone
+        // in its batch is followed by no WAIT.
+        let read = connection.send(None, &echo("read"), false).unwrap();
+        receive(&mut peer, &echo("read").get_packed_command()).await;
+        peer.write_all(b"$4\r\nread\r\n").await.unwrap();
+        assert_eq!(read.await.unwrap().unwrap(), Value::BulkString(b"read".to_vec()));
+        let write = connection.send(None, &echo("w"), true).unwrap();
+        let mut read = connection.send(None, &echo("r"), false).unwrap();
+        let both = [echo("w").get_packed_command(), echo("r").get_packed_command()].concat();
+        receive(&mut peer, &[both, wait.clone()].concat()).await;
+        peer.write_all(b"$1\r\nw\r\n$1\r\nr\r\n").await.unwrap();
+        assert_eq!((&mut read).await.unwrap().unwrap(), Value::BulkString(b"r".to_vec()));
+        peer.write_all(b":3\r\n").await.unwrap();
+        assert_eq!(write.await.unwrap().unwrap(), Value::BulkString(b"w".to_vec()));
+
+        // Answered, and the connection gone before WAIT was.
+        let c = connection.send(None, &echo("c"), true).unwrap();
+        receive(&mut peer, &[echo("c").get_packed_command(), wait].concat()).await;
+        peer.write_all(b"$1\r\nc\r\n").await.unwrap();
+        drop(peer);
+        let broken = c.await.unwrap().unwrap_err();
+        assert!(
+            broken.to_string().contains("before Redis said how many replicas"),
+            "{broken}"
+        );
     }
 
     #[test]
@@ -1016,7 +1264,7 @@ mod tests {
         let first = runtime();
         let answer = {
             let _inside = first.enter();
-            connection.send(None, &redis::cmd("PING")).unwrap()
+            connection.send(None, &redis::cmd("PING"), true).unwrap()
         };
         drop(first);
         let second = runtime();
@@ -1030,7 +1278,7 @@ mod tests {
     #[test]
     fn a_command_sent_outside_a_runtime_fails_and_changes_nothing() {
         let connection = connection_to(pinged_peer());
-        assert!(connection.send(None, &redis::cmd("PING")).is_err());
+        assert!(connection.send(None, &redis::cmd("PING"), true).is_err());
         assert_eq!(ping(&runtime(), &connection), "PONG");
     }
 
@@ -1043,7 +1291,7 @@ mod tests {
     ) -> (Connection, oneshot::Receiver<RedisResult<Value>>, tokio::net::TcpStream) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let connection = connection_at(&format!("redis://{login}{}/{db}", listener.local_addr().unwrap()));
-        let answer = connection.send(None, &redis::cmd("PING")).unwrap();
+        let answer = connection.send(None, &redis::cmd("PING"), true).unwrap();
         let (peer, _) = listener.accept().await.unwrap();
         (connection, answer, peer)
     }

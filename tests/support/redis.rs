@@ -20,6 +20,15 @@ pub fn redis_store_within(url: &str, timeout: Duration) -> idemgate::store::Stor
     )
 }
 
+/// [`redis_store_within`], whose writes count once `replicas` replicas
+/// hold them (`store.wait_for_replicas`).
+pub fn copied_store_within(url: &str, replicas: u32, timeout: Duration) -> idemgate::store::StoreHandle {
+    idemgate::store::StoreHandle::new(
+        std::sync::Arc::new(idemgate::store::RedisStore::single_copied(url, "idemgate", timeout, replicas).unwrap()),
+        timeout,
+    )
+}
+
 /// A store on the Redis Cluster found through `urls`, with calls and
 /// deadline of `timeout`, as the proxy opens it.
 pub fn cluster_store_within(urls: &[String], timeout: Duration) -> idemgate::store::StoreHandle {
@@ -53,6 +62,33 @@ fn cli(port: u16, args: &[&str]) -> Option<String> {
         .status
         .success()
         .then(|| String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// Whether a write to `primary` (under a key of its own slots, in a
+/// cluster) is held by a replica within 100 ms, as `WAIT` counts: a
+/// replica in sync is counted only once the primary has its first
+/// acknowledgement (it sends one each second).
+fn copied(primary: &RedisServer) -> bool {
+    for i in 0..256 {
+        let mut session = Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &primary.port.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut input = session.stdin.take().unwrap();
+        let commands = format!("SET replica-acknowledged-{i} 1\nWAIT 1 100\n");
+        std::io::Write::write_all(&mut input, commands.as_bytes()).unwrap();
+        drop(input);
+        let output = session.wait_with_output().unwrap();
+        let output = String::from_utf8_lossy(&output.stdout);
+        // Else the key is another node's (MOVED): the next one.
+        if output.lines().next() == Some("OK") {
+            return output.lines().last() == Some("1");
+        }
+    }
+    false
 }
 
 fn wait_until(what: &str, mut ready: impl FnMut() -> bool) {
@@ -92,6 +128,17 @@ impl RedisServer {
         };
         server.restart();
         server
+    }
+
+    /// A replica of `primary`, in sync with it.
+    pub fn start_replica_of(primary: &RedisServer) -> RedisServer {
+        // Else the primary waits 5 s for more replicas before it sends the first copy.
+        primary
+            .cli(&["config", "set", "repl-diskless-sync-delay", "0"])
+            .unwrap();
+        let replica = RedisServer::start_with_args(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
+        wait_until("the replica to acknowledge a write", || copied(primary));
+        replica
     }
 
     /// A server in cluster mode that alone holds every hash slot: a
@@ -257,6 +304,7 @@ impl RedisCluster {
                 .cli(&["info", "replication"])
                 .is_some_and(|i| i.contains("master_link_status:up"))
         });
+        wait_until("the replica to acknowledge a write", || copied(primary));
         replica
     }
 
