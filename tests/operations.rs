@@ -1010,6 +1010,40 @@ async fn a_redis_that_may_evict_keys_is_warned_about() {
     assert!(!warned(safe.port), "{text}");
 }
 
+/// With `store.wait_for_replicas`, a Redis user denied `WAIT` takes no
+/// claim, and what is logged names `WAIT`: not a refusal of the scripts,
+/// which it may run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_user_denied_wait_is_told_so_and_not_that_scripts_are_denied() {
+    use idemgate::store::{Fingerprint, Owner, RecordKey, Store};
+    let logs = captured();
+    let primary = support::redis::RedisServer::start();
+    let _replica = support::redis::RedisServer::start_replica_of(&primary);
+    primary
+        .cli(&["acl", "setuser", "nowait", "on", ">pw", "~*", "&*", "+@all", "-wait"])
+        .unwrap();
+    let url = primary.url().replace("redis://", "redis://nowait:pw@");
+    let store = idemgate::store::RedisStore::single_copied(&url, "idemgate", Duration::from_secs(2), 1).unwrap();
+    for n in 0..2u8 {
+        let claim = store
+            .claim(
+                &RecordKey([n; 32]),
+                &Fingerprint([1; 32]),
+                Owner::new(),
+                Duration::from_secs(30),
+                None,
+            )
+            .await;
+        let error = idemgate::telemetry::error_chain(&claim.unwrap_err());
+        assert!(
+            error.contains("Redis refused WAIT") && error.contains("no permissions to run the 'wait' command"),
+            "{error}"
+        );
+    }
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    assert!(!text.contains("may not run idemgate's scripts"), "{text}");
+}
+
 /// A second SIGTERM during the drain ends the process at once, instead of
 /// leaving the operator to wait out `shutdown_grace` or reach for SIGKILL.
 #[tokio::test]

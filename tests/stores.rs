@@ -434,6 +434,20 @@ async fn with_wait_for_replicas_a_request_runs_only_once_a_replica_holds_its_cla
     assert_eq!(refused.problem(), "store-unavailable");
     assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
     assert_eq!(upstream.hits(), 1);
+    // A read waits for no copy (it may wait for the connection's WAIT
+    // under way, up to half the store timeout).
+    let mut read = Err(String::new());
+    for _ in 0..3 {
+        read = proxy
+            .store
+            .inspect(&idemgate::store::RecordKey([7; 32]))
+            .await
+            .map_err(|e| e.to_string());
+        if read.is_ok() {
+            break;
+        }
+    }
+    assert!(matches!(read, Ok(None)), "{read:?}");
 
     // Copying again: the refused key was released, and runs once.
     replica.resume();

@@ -279,7 +279,10 @@ impl Cluster {
     /// a node left it unanswered, for `store.timeout` (a timer of each
     /// try's own) or until the connection's own timeout, when the command
     /// may yet run.
-    pub(super) async fn query<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
+    ///
+    /// A command that `writes` nothing is not held for its node's replicas
+    /// ([`resp::Connection::query_read_only`]).
+    pub(super) async fn query<T: FromRedisValue>(&self, command: &Cmd, writes: bool) -> RedisResult<T> {
         let slot = key_of(command)
             .map(slot_of)
             .ok_or_else(|| resp::not_sent("a command to a Redis Cluster names no key".to_owned()))?;
@@ -297,9 +300,11 @@ impl Cluster {
             };
             let sent = async {
                 if asking {
-                    connection.query_asking(command).await
-                } else {
+                    connection.query_asking(command, writes).await
+                } else if writes {
                     connection.query(command).await
+                } else {
+                    connection.query_read_only(command).await
                 }
             };
             // A timer of its own, as the store's deadline does not always

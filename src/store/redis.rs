@@ -373,6 +373,9 @@ if string.byte(v, 2) ~= 0 then return 1 end
 struct Lua {
     hash: String,
     text: String,
+    /// Whether it may write: one that never does is not held for
+    /// replicas (`store.wait_for_replicas`).
+    writes: bool,
 }
 
 impl Lua {
@@ -380,6 +383,15 @@ impl Lua {
         Lua {
             hash: Script::new(text).get_hash().to_owned(),
             text: text.to_owned(),
+            writes: true,
+        }
+    }
+
+    /// A script that only reads.
+    fn read_only(text: &str) -> Lua {
+        Lua {
+            writes: false,
+            ..Lua::new(text)
         }
     }
 }
@@ -404,7 +416,7 @@ impl Scripts {
             complete_many: Lua::new(COMPLETE_MANY),
             release: Lua::new(&format!("{OWNED}{ANNOUNCE}{RELEASE}")),
             renew: Lua::new(&format!("{OWNED}{RENEW}")),
-            peek: Lua::new(PEEK),
+            peek: Lua::read_only(PEEK),
             watch: Lua::new(WATCH),
             purge: Lua::new(&format!("{PURGE}{ANNOUNCE}return 1\n")),
             ping: Lua::new(PING),
@@ -434,9 +446,20 @@ enum Conn<'a> {
 impl Conn<'_> {
     /// Sends `command` and reads its answer as `T`.
     async fn query<T: redis::FromRedisValue>(&mut self, command: &redis::Cmd) -> Result<T, RedisError> {
+        self.query_as(command, true).await
+    }
+
+    /// [`Conn::query`] of a command that `writes`, or writes nothing and
+    /// so is not held for replicas (`store.wait_for_replicas`).
+    async fn query_as<T: redis::FromRedisValue>(
+        &mut self,
+        command: &redis::Cmd,
+        writes: bool,
+    ) -> Result<T, RedisError> {
         match self {
-            Conn::Single(connection) => connection.query(command).await,
-            Conn::Cluster(cluster) => cluster.query(command).await,
+            Conn::Single(connection) if writes => connection.query(command).await,
+            Conn::Single(connection) => connection.query_read_only(command).await,
+            Conn::Cluster(cluster) => cluster.query(command, writes).await,
         }
     }
 }
@@ -930,11 +953,14 @@ impl RedisStore {
     /// the ACL is logged, throttled.
     fn note_scripts(&self, error: Option<&RedisError>) {
         // Refused the script itself, or a command it calls (Redis 7.0
-        // says "can't run this command", 7.2 "no permissions to run").
+        // says "can't run this command", 7.2 "no permissions to run"); not
+        // `WAIT` after it (`store.wait_for_replicas`), which its own error
+        // names.
         let denied = error.is_some_and(|e| {
-            e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm)
+            (e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm)
                 || e.detail()
-                    .is_some_and(|d| d.contains("can't run this command") || d.contains("no permissions to run"))
+                    .is_some_and(|d| d.contains("can't run this command") || d.contains("no permissions to run")))
+                && !resp::is_not_copied(e)
         });
         if denied {
             crate::telemetry::warn_throttled!(
@@ -964,9 +990,7 @@ impl RedisStore {
         // to run all the same.
         let ran = match &result {
             Ok(_) => true,
-            Err(StoreError::Unavailable(error)) => error
-                .downcast_ref::<RedisError>()
-                .is_some_and(|error| error.kind() == redis::ErrorKind::Extension),
+            Err(StoreError::Unavailable(error)) => error.downcast_ref::<RedisError>().is_some_and(resp::is_not_copied),
             Err(_) => false,
         };
         if ran && !self.scripts_run.load(Ordering::Relaxed) {
@@ -983,12 +1007,12 @@ impl RedisStore {
         args: &[&[u8]],
     ) -> Result<T, RedisError> {
         match connection
-            .query(&script_command("EVALSHA", &script.hash, keys, args))
+            .query_as(&script_command("EVALSHA", &script.hash, keys, args), script.writes)
             .await
         {
             Err(error) if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                 connection
-                    .query(&script_command("EVAL", &script.text, keys, args))
+                    .query_as(&script_command("EVAL", &script.text, keys, args), script.writes)
                     .await
             }
             result => result,

@@ -106,14 +106,16 @@ impl Target {
         })
     }
 
-    /// This target, with every batch of commands written to it followed
-    /// by `WAIT replicas within`: the batch's answers are handed out only
-    /// once Redis says that many replicas hold its writes, and if fewer
-    /// do within `within`, each answer is a [`not_copied`] error instead
-    /// (the writes stay on the primary: a claim among them is released).
-    /// One `WAIT` covers every command the batch carries, so a busy
-    /// connection pays one replica round trip per write it makes, not one
-    /// per command. `replicas` 0 sends none.
+    /// This target, with every batch of commands written to it that
+    /// carries a write followed by `WAIT replicas within`: the answers to
+    /// the batch's writes are handed out only once Redis says that many
+    /// replicas hold them, and if fewer do within `within`, each (but an
+    /// error, a failure anyway) is a [`not_copied`] error instead (the
+    /// writes stay on the primary: a claim among them is released). One
+    /// `WAIT` covers every command the batch carries, and what gathers
+    /// while it is unanswered goes as the next batch, so a busy connection
+    /// pays one replica round trip per batch, not one per command.
+    /// `replicas` 0 sends none.
     pub fn copied_to(mut self, replicas: u32, within: Duration) -> Target {
         self.replicas = (replicas > 0).then_some((replicas, within.max(Duration::from_millis(1))));
         self
@@ -265,8 +267,10 @@ impl Connection {
     /// together (or neither): nothing comes between them to take the
     /// one-shot flag (`ASKING` lets the node a slot migrates to take a
     /// command for it).
-    pub async fn query_asking<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
-        self.query_after(Some(&redis::cmd("ASKING")), command, true).await
+    /// `writes`: as for [`Connection::query`], or not, as for
+    /// [`Connection::query_read_only`].
+    pub async fn query_asking<T: FromRedisValue>(&self, command: &Cmd, writes: bool) -> RedisResult<T> {
+        self.query_after(Some(&redis::cmd("ASKING")), command, writes).await
     }
 
     /// [`Connection::query`], after `before` if given (see [`Connection::send`]).
@@ -796,19 +800,21 @@ async fn read<R: AsyncRead + Unpin>(ends: EndsWith, written: Arc<Notify>, mut so
         let demoted = answers.iter().any(read_only);
         for (slot, answer) in slots.drain(..).zip(answers.drain(..)) {
             match slot {
-                Slot::Caller(caller, true) if copies.is_some() => held.0.push((caller, answer)),
+                // An error is a failure whatever the replicas hold: passed
+                // on as it comes (a `NOSCRIPT` is sent again at once).
+                Slot::Caller(caller, true) if copies.is_some() && !matches!(answer, Value::ServerError(_)) => {
+                    held.0.push((caller, answer))
+                }
                 Slot::Caller(caller, _) => {
                     let _ = caller.send(Ok(answer));
                 }
                 Slot::Copies(replicas) => {
                     let short = copied_short(&answer, replicas, copies.map_or(Duration::ZERO, |(_, within)| within));
                     for (caller, answer) in held.0.drain(..) {
-                        // An error answer wrote nothing: passed on as it is.
-                        let answer = match &short {
-                            Some(error) if !matches!(answer, Value::ServerError(_)) => Err(error.clone()),
-                            _ => Ok(answer),
-                        };
-                        let _ = caller.send(answer);
+                        let _ = caller.send(match &short {
+                            Some(error) => Err(error.clone()),
+                            None => Ok(answer),
+                        });
                     }
                 }
             }
@@ -821,22 +827,24 @@ async fn read<R: AsyncRead + Unpin>(ends: EndsWith, written: Arc<Notify>, mut so
     }
 }
 
-/// Answers Redis gave before it said how many replicas hold their writes
-/// (the `WAIT` after their batch), with their callers. Dropped so (the
-/// connection broke, its reader stopped), each caller gets an error: the
-/// command ran on the primary, and may not outlive a failover. (An error
-/// answer, which wrote nothing, is passed on as it is: a `READONLY`.)
+/// Answers (not errors) Redis gave before it said how many replicas hold
+/// their writes (the `WAIT` after their batch), with their callers.
+/// Dropped so (the connection broke, its reader stopped), each caller gets
+/// an error: the command ran on the primary, and may not outlive a
+/// failover.
 struct Held(Vec<(oneshot::Sender<RedisResult<Value>>, Value)>);
 
 impl Drop for Held {
     fn drop(&mut self) {
-        for (caller, answer) in self.0.drain(..) {
-            let _ = caller.send(match answer {
-                Value::ServerError(_) => Ok(answer),
-                _ => Err(broken(
-                    "the Redis connection ended before Redis said how many replicas hold the write".to_owned(),
-                )),
-            });
+        for (caller, _) in self.0.drain(..) {
+            // Not a broken connection's error, which a caller may take to
+            // send the command again: on a new connection, whose `WAIT`
+            // covers only its own writes, a command resent that writes
+            // nothing this time (a claim that finds its own) would pass
+            // with the first write never copied.
+            let _ = caller.send(Err(not_copied(
+                "the Redis connection ended before Redis said how many replicas hold the write".to_owned(),
+            )));
         }
     }
 }
@@ -857,10 +865,17 @@ fn copied_short(answer: &Value, replicas: u32, within: Duration) -> Option<Redis
 }
 
 /// The error of a command that Redis ran, but that fewer replicas than
-/// asked for hold (see [`Target::copied_to`]): its kind is the redis
-/// crate's for an error it does not know, which calls for no retry.
+/// asked for hold, or may (see [`Target::copied_to`]): its kind is the
+/// redis crate's for an error it does not know, which calls for no retry.
 pub(super) fn not_copied(detail: String) -> RedisError {
-    RedisError::from((ErrorKind::Extension, "not copied to enough replicas", detail))
+    RedisError::from((ErrorKind::Extension, NOT_COPIED, detail))
+}
+
+const NOT_COPIED: &str = "not copied to enough replicas";
+
+/// Whether `error` is a [`not_copied`] one.
+pub(super) fn is_not_copied(error: &RedisError) -> bool {
+    error.kind() == ErrorKind::Extension && error.to_string().starts_with(NOT_COPIED)
 }
 
 /// How long after a READONLY answer the next connect waits: a replica is
@@ -1100,8 +1115,8 @@ mod tests {
 
     /// With copies asked for, each batch is followed by `WAIT`, and its
     /// answers are handed out only once `WAIT` says enough replicas hold
-    /// its writes; too few fail every answer but an error (which wrote
-    /// nothing), and a connection that breaks in between fails them too.
+    /// its writes (an error, a failure either way, comes at once); too few
+    /// fail them, and a connection that breaks in between fails them too.
     #[tokio::test]
     async fn answers_wait_for_the_replicas_a_target_asks_for() {
         use redis::IntoConnectionInfo;
@@ -1146,7 +1161,10 @@ mod tests {
         // One replica of the two holds that batch.
         let both = [echo("b").get_packed_command(), echo("refused").get_packed_command()].concat();
         receive(&mut peer, &[both, wait.clone()].concat()).await;
-        peer.write_all(b"$1\r\nb\r\n-ERR no\r\n:1\r\n").await.unwrap();
+        peer.write_all(b"$1\r\nb\r\n-ERR no\r\n").await.unwrap();
+        // An error, before WAIT is answered.
+        assert!(matches!(refused.await.unwrap(), Ok(Value::ServerError(_))));
+        peer.write_all(b":1\r\n").await.unwrap();
         let short = b.await.unwrap().unwrap_err();
         assert_eq!(short.kind(), ErrorKind::Extension);
         assert!(
@@ -1155,7 +1173,6 @@ mod tests {
                 .contains("1 of the 2 replicas store.wait_for_replicas asks for hold the write after 250 ms"),
             "{short}"
         );
-        assert!(matches!(refused.await.unwrap(), Ok(Value::ServerError(_))));
 
         // A command that writes nothing is answered as it comes, and alone
         // in its batch is followed by no WAIT.
