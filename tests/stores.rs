@@ -472,6 +472,87 @@ async fn with_wait_for_replicas_a_request_runs_only_once_a_replica_holds_its_cla
     assert_eq!(upstream.hits(), 2);
 }
 
+/// The failover `store.wait_for_replicas` is for: the primary is killed
+/// (SIGKILL) the moment its last answer is out and while a request is in
+/// flight, and the replica that acknowledged takes over at the same
+/// address, the other following it, as Sentinel would have them. Every
+/// answer a client got replays from the new primary, and the key in
+/// flight is refused (409), not run again. (On loopback the replica would
+/// mostly have had it all without `WAIT` too: the test above is the one
+/// that fails without it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_wait_for_replicas_a_failover_loses_no_answer_and_no_claim() {
+    let mut primary = RedisServer::start();
+    let replica = RedisServer::start_replica_of(&primary);
+    let other = RedisServer::start_replica_of(&primary);
+    // Only `replica` acknowledges, so it holds every write that counted.
+    other.pause();
+    let target = Arc::new(std::sync::Mutex::new(primary.port));
+    let address = virtual_address(target.clone()).await;
+    let upstream = Upstream::start(|hit, seen| {
+        if seen.body.as_ref() == b"slow" {
+            Reply::created(hit).delayed(Duration::from_secs(30))
+        } else {
+            Reply::created(hit)
+        }
+    })
+    .await;
+    let url = format!("redis://127.0.0.1:{address}/0");
+    let store = copied_store_within(&url, 1, Duration::from_secs(1));
+    let proxy = Proxy::start_with_store(&upstream.url(), ROUTE, store).await;
+    let client = TestClient::default();
+    let orders = proxy.url("/v1/orders");
+    let mut answers = Vec::new();
+    for n in 0..20 {
+        let answer = client.post(&orders, &format!("done{n}"), "{}").await;
+        assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text());
+        answers.push(answer.text());
+    }
+    let in_flight = {
+        let (client, orders) = (client.clone(), orders.clone());
+        tokio::spawn(async move { client.post(&orders, "slow", "slow").await })
+    };
+    upstream.reached(21).await;
+
+    primary.kill();
+    replica.cli(&["replicaof", "no", "one"]).unwrap();
+    replica
+        .cli(&["config", "set", "repl-diskless-sync-delay", "0"])
+        .unwrap();
+    *target.lock().unwrap() = replica.port;
+    other.resume();
+    other
+        .cli(&["replicaof", "127.0.0.1", &replica.port.to_string()])
+        .unwrap();
+
+    // Each asked until the store is reached again, and the new primary's
+    // replica acknowledges (503 meanwhile).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let settled = |key: String, body: &'static str| {
+        let (client, orders) = (client.clone(), orders.clone());
+        async move {
+            loop {
+                let answer = client.post(&orders, &key, body).await;
+                if answer.status != StatusCode::SERVICE_UNAVAILABLE {
+                    return answer;
+                }
+                assert!(Instant::now() < deadline, "{key}: the store never came back");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    for (n, first) in answers.iter().enumerate() {
+        let again = settled(format!("done{n}"), "{}").await;
+        assert!(again.replayed(), "done{n}: {}", again.text());
+        assert_eq!(&again.text(), first, "done{n}");
+    }
+    let again = settled("slow".to_owned(), "slow").await;
+    assert_eq!(again.status, StatusCode::CONFLICT, "{}", again.text());
+    assert_eq!(again.problem(), "request-in-flight");
+    assert_eq!(upstream.hits(), 21);
+    in_flight.abort();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_outage_is_503_at_once_and_recovers_by_itself() {
     let mut redis = RedisServer::start();
