@@ -742,13 +742,14 @@ fn unavailable(e: RedisError) -> StoreError {
 }
 
 /// How long Redis waits for replicas to copy a batch of writes
-/// (`WAIT`'s timeout) under a store timeout of `timeout`: half of it, so
-/// that a copy that is late fails the call with its own error (how many
-/// replicas hold the write) before the deadline ends it with none, and a
-/// batch held up behind another's wait still mostly lands within the
-/// deadline.
+/// (`WAIT`'s timeout) under a store timeout of `timeout`: a third of it.
+/// A command may wait for the `WAIT` under way on its connection before
+/// its own batch goes out behind one of its own: two of them, and the
+/// round trips, still end before the store's deadline, so a copy that is
+/// late fails the call with its own error (how many replicas hold the
+/// write) rather than a timeout that says nothing of replicas.
 pub(super) fn copy_wait(timeout: Duration) -> Duration {
-    timeout / 2
+    timeout / 3
 }
 
 fn ms(d: Duration) -> u64 {
@@ -824,7 +825,7 @@ impl RedisStore {
 
     /// [`RedisStore::single`], whose writes count only once `replicas` of
     /// the server's replicas hold them (`store.wait_for_replicas`), each
-    /// `WAIT` given half of `timeout`.
+    /// `WAIT` given a third of `timeout`.
     pub fn single_copied(url: &str, prefix: &str, timeout: Duration, replicas: u32) -> Result<RedisStore, StoreError> {
         let client = open(url).map_err(unavailable)?;
         // Every call already has the store's deadline (`StoreHandle`, `wait`
@@ -847,7 +848,7 @@ impl RedisStore {
 
     /// [`RedisStore::cluster`], whose writes count only once `replicas` of
     /// their node's replicas hold them (`store.wait_for_replicas`), each
-    /// `WAIT` given half of `timeout`.
+    /// `WAIT` given a third of `timeout`.
     pub fn cluster_copied(
         urls: &[String],
         prefix: &str,
