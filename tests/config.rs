@@ -993,6 +993,30 @@ fn help_and_version() {
     assert!(String::from_utf8_lossy(&version.stdout).contains(env!("CARGO_PKG_VERSION")));
 }
 
+/// An integer past 64 bits fails TOML's own parse, before any field is
+/// read: its error still names the field, from its line.
+#[test]
+fn an_integer_too_large_for_toml_is_named_by_its_field() {
+    let base = "[upstream]\nurl = \"http://h:1\"\n";
+    for (toml, field) in [
+        (
+            "[store]\nbackend = \"redis\"\nwait_for_replicas = 99999999999999999999",
+            "store.wait_for_replicas",
+        ),
+        ("[server]\nworkers = 99999999999999999999", "server.workers"),
+        (
+            "[[route]]\nname = \"a\"\npath = \"/a\"\n[[route]]\nname = \"b\"\npath = \"/b\"\n[route.key]\n\
+             max_length = 99999999999999999999",
+            "route[1].key.max_length",
+        ),
+    ] {
+        let error = Config::parse(&format!("{base}{toml}\n"), "x.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains(&format!(": {field}: ")), "{toml}: {error}");
+    }
+}
+
 #[test]
 fn redis_fields_without_the_redis_backend_are_an_error() {
     let base = "[upstream]\nurl = \"http://h:1\"\n[store]\n";

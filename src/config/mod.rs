@@ -357,7 +357,10 @@ impl Config {
         let raw: raw::RawConfig = toml::from_str(text).map_err(|e| {
             // Where, which field and why, without the line itself, which
             // may hold a token or a password.
-            let field = field_of(text).map(|f| format!("{f}: ")).unwrap_or_default();
+            let field = field_of(text)
+                .or_else(|| e.span().and_then(|span| key_at(text, span.start)))
+                .map(|f| format!("{f}: "))
+                .unwrap_or_default();
             let why = without_value(e.message().trim_end());
             ConfigError::Parse {
                 file: file.to_string(),
@@ -420,6 +423,50 @@ fn field_of(text: &str) -> Option<String> {
     Some(match index {
         Some(i) => format!("route[{i}]{within}"),
         None => path.to_string(),
+    })
+}
+
+/// The field whose `key = value` line holds byte `at` of `text`, named
+/// as validation names fields (`store.timeout`, `route[1].key.header`):
+/// for an error in a file that does not parse as TOML at all (an integer
+/// past 64 bits), which [`field_of`] cannot name. `None` on any other
+/// line.
+fn key_at(text: &str, at: usize) -> Option<String> {
+    let start = text[..at.min(text.len())].rfind('\n').map_or(0, |i| i + 1);
+    let (key, _) = text[start..].lines().next()?.split_once('=')?;
+    let key = key.trim();
+    let bare = |name: &str| {
+        !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+    };
+    if !bare(key) {
+        return None;
+    }
+    // The table it is in: the last header before it, a `[[route]]` (or
+    // a table under one) by its index.
+    let mut table: Option<String> = None;
+    let mut routes = 0;
+    for header in text[..start].lines().map(str::trim).filter(|l| l.starts_with('[')) {
+        let array = header.starts_with("[[");
+        let name = header.trim_start_matches('[').split(']').next()?.trim();
+        if !bare(name) {
+            return None;
+        }
+        if array && name == "route" {
+            routes += 1;
+        }
+        table = Some(match name.strip_prefix("route") {
+            Some(rest) if routes > 0 && (rest.is_empty() || rest.starts_with('.')) => {
+                format!("route[{}]{rest}", routes - 1)
+            }
+            _ => name.to_owned(),
+        });
+    }
+    Some(match table {
+        Some(table) => format!("{table}.{key}"),
+        None => key.to_owned(),
     })
 }
 
