@@ -746,8 +746,10 @@ fn unavailable(e: RedisError) -> StoreError {
 /// A command may wait for the `WAIT` under way on its connection before
 /// its own batch goes out behind one of its own: two of them, and the
 /// round trips, still end before the store's deadline, so a copy that is
-/// late fails the call with its own error (how many replicas hold the
-/// write) rather than a timeout that says nothing of replicas.
+/// late fails a call of one command with its own error (how many
+/// replicas hold the write) rather than a timeout that says nothing of
+/// replicas. (A call of two, an `EVAL` after `NOSCRIPT` or a first claim
+/// after the probe, may still meet the deadline first.)
 pub(super) fn copy_wait(timeout: Duration) -> Duration {
     timeout / 3
 }

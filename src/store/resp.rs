@@ -432,12 +432,22 @@ impl Shared {
         }
         let written = waiting.len() - unsent;
         let never_written = (unsent > 0).then(|| not_sent(error.to_string()));
+        // A write that may have run, where copies are asked for: not a
+        // dropped connection's error, which a caller may take to send it
+        // again, on a connection whose `WAIT` covers only its own writes
+        // (see [`Held`]).
+        let uncopied = self.target.replicas.is_some().then(|| {
+            not_copied(format!(
+                "{error}; the write may have run, and is not known to be copied"
+            ))
+        });
         for (at, slot) in waiting.into_iter().enumerate() {
-            let Slot::Caller(caller, _) = slot else {
+            let Slot::Caller(caller, writes) = slot else {
                 continue;
             };
-            let error = match &never_written {
-                Some(never_written) if at >= written => never_written,
+            let error = match (&never_written, &uncopied) {
+                (Some(never_written), _) if at >= written => never_written,
+                (_, Some(uncopied)) if writes => uncopied,
                 _ => error,
             };
             let _ = caller.send(Err(error.clone()));
@@ -1163,7 +1173,8 @@ mod tests {
         receive(&mut peer, &[both, wait.clone()].concat()).await;
         peer.write_all(b"$1\r\nb\r\n-ERR no\r\n").await.unwrap();
         // An error, before WAIT is answered.
-        assert!(matches!(refused.await.unwrap(), Ok(Value::ServerError(_))));
+        let refused = tokio::time::timeout(Duration::from_secs(5), refused).await;
+        assert!(matches!(refused, Ok(Ok(Ok(Value::ServerError(_))))), "{refused:?}");
         peer.write_all(b":1\r\n").await.unwrap();
         let short = b.await.unwrap().unwrap_err();
         assert_eq!(short.kind(), ErrorKind::Extension);
@@ -1185,20 +1196,36 @@ mod tests {
         let both = [echo("w").get_packed_command(), echo("r").get_packed_command()].concat();
         receive(&mut peer, &[both, wait.clone()].concat()).await;
         peer.write_all(b"$1\r\nw\r\n$1\r\nr\r\n").await.unwrap();
-        assert_eq!((&mut read).await.unwrap().unwrap(), Value::BulkString(b"r".to_vec()));
+        let read = tokio::time::timeout(Duration::from_secs(5), &mut read)
+            .await
+            .expect("answered before WAIT");
+        assert_eq!(read.unwrap().unwrap(), Value::BulkString(b"r".to_vec()));
         peer.write_all(b":3\r\n").await.unwrap();
         assert_eq!(write.await.unwrap().unwrap(), Value::BulkString(b"w".to_vec()));
 
         // Answered, and the connection gone before WAIT was.
         let c = connection.send(None, &echo("c"), true).unwrap();
-        receive(&mut peer, &[echo("c").get_packed_command(), wait].concat()).await;
+        receive(&mut peer, &[echo("c").get_packed_command(), wait.clone()].concat()).await;
         peer.write_all(b"$1\r\nc\r\n").await.unwrap();
         drop(peer);
         let broken = c.await.unwrap().unwrap_err();
+        assert!(is_not_copied(&broken), "{broken}");
         assert!(
             broken.to_string().contains("before Redis said how many replicas"),
             "{broken}"
         );
+
+        // Written, and the connection gone before it was answered: not a
+        // dropped connection's error either, which a Cluster sends again.
+        let d = connection.send(None, &echo("d"), true).unwrap();
+        let (mut peer, _) = listener.accept().await.unwrap();
+        receive(&mut peer, &redis::cmd("PING").get_packed_command()).await;
+        peer.write_all(b"+PONG\r\n").await.unwrap();
+        receive(&mut peer, &[echo("d").get_packed_command(), wait].concat()).await;
+        drop(peer);
+        let broken = d.await.unwrap().unwrap_err();
+        assert!(is_not_copied(&broken), "{broken}");
+        assert!(matches!(broken.retry_method(), redis::RetryMethod::NoRetry), "{broken}");
     }
 
     #[test]
