@@ -993,21 +993,41 @@ async fn a_redis_that_may_evict_keys_is_warned_about() {
     let safe = support::redis::RedisServer::start();
     let _stores = [&evicting, &safe]
         .map(|server| idemgate::store::RedisStore::single(&server.url(), "idemgate", Duration::from_secs(2)).unwrap());
+    warned_at_start(&logs, evicting.port, safe.port, "maxmemory-policy").await;
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    assert!(text.contains("allkeys-lru") && text.contains(" WARN "), "{text}");
+}
+
+/// Waits (up to 10 s) for a log line that names the Redis on `port` and
+/// says `what`; then checks, once the other has had time to be asked too,
+/// that none names the one on `fine`.
+async fn warned_at_start(logs: &std::sync::Mutex<Vec<u8>>, port: u16, fine: u16, what: &str) {
     let warned = |port: u16| {
         let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
         text.lines()
-            .any(|line| line.contains(&format!("127.0.0.1:{port}")) && line.contains("maxmemory-policy"))
+            .any(|line| line.contains(&format!("127.0.0.1:{port}")) && line.contains(what))
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !warned(evicting.port) {
-        assert!(tokio::time::Instant::now() < deadline, "no warning about allkeys-lru");
+    while !warned(port) {
+        assert!(tokio::time::Instant::now() < deadline, "no warning that says {what}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
-    assert!(text.contains("allkeys-lru") && text.contains(" WARN "), "{text}");
-    // The other server was asked too, by now, and is fine as it is.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(!warned(safe.port), "{text}");
+    assert!(!warned(fine), "the server on {fine} is fine as it is");
+}
+
+/// With `store.wait_for_replicas`, a primary with fewer replicas than it
+/// asks for is warned about at start: every write to it would be refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_short_of_the_replicas_asked_for_is_warned_about() {
+    let logs = captured();
+    let alone = support::redis::RedisServer::start();
+    let copied = support::redis::RedisServer::start();
+    let _replica = support::redis::RedisServer::start_replica_of(&copied);
+    let _stores = [&alone, &copied].map(|server| {
+        idemgate::store::RedisStore::single_copied(&server.url(), "idemgate", Duration::from_secs(2), 1).unwrap()
+    });
+    warned_at_start(&logs, alone.port, copied.port, "fewer replicas connected").await;
 }
 
 /// With `store.wait_for_replicas`, a Redis user denied `WAIT` takes no

@@ -24,7 +24,9 @@
 //! batch of commands a connection writes is followed by `WAIT`, and its
 //! answers count only once that many replicas hold its writes
 //! ([`resp::Target::copied_to`]), so a failover loses no claim or answer
-//! a caller was told of. Fewer in time, and the calls fail as unavailable.
+//! a caller was told of. Fewer in time, and the calls fail as unavailable;
+//! a primary with fewer replicas connected is warned about at start
+//! ([`warn_if_short_of_replicas`]).
 //!
 //! Redis must not evict keys (an evicted claim would let a retry through):
 //! the store warns about any server whose `maxmemory-policy` is not
@@ -839,7 +841,12 @@ impl RedisStore {
             target: Arc::new(target),
             connections: PerThread::new(),
         };
-        Ok(RedisStore::new(connection, KeyPrefix::new(prefix), vec![client]))
+        Ok(RedisStore::new(
+            connection,
+            KeyPrefix::new(prefix),
+            vec![client],
+            replicas,
+        ))
     }
 
     /// A Redis Cluster, found through any of `urls`, its records' keys
@@ -872,13 +879,14 @@ impl RedisStore {
             Connection::Cluster(cluster),
             KeyPrefix::new(prefix),
             nodes,
+            replicas,
         ))
     }
 
-    fn new(connection: Connection, prefix: KeyPrefix, subscribe_to: Vec<redis::Client>) -> RedisStore {
+    fn new(connection: Connection, prefix: KeyPrefix, subscribe_to: Vec<redis::Client>, replicas: u32) -> RedisStore {
         let waiters = Arc::new(Waiters::default());
         let listening = Arc::new(AtomicBool::new(false));
-        let eviction_check = tokio::spawn(warn_if_evicting(subscribe_to.clone()));
+        let eviction_check = tokio::spawn(warn_if_evicting(subscribe_to.clone(), replicas));
         let subscriber = tokio::spawn(listen(subscribe_to, prefix.clone(), waiters.clone(), listening.clone()));
         let batches = matches!(connection, Connection::Single { .. }).then(PerThread::new);
         RedisStore {
@@ -1442,7 +1450,9 @@ impl Store for RedisStore {
 /// when full, and idemgate answers 503). Asked again every few seconds
 /// until the server answers, as it may be down when idemgate starts; a
 /// server that refuses `CONFIG` (some managed services) is only noted.
-async fn warn_if_evicting(nodes: Vec<redis::Client>) {
+/// With `store.wait_for_replicas` (`replicas`), a primary with fewer
+/// replicas connected is warned about too ([`warn_if_short_of_replicas`]).
+async fn warn_if_evicting(nodes: Vec<redis::Client>, replicas: u32) {
     futures_util::future::join_all(nodes.into_iter().map(|node| async move {
         let address = node.get_connection_info().addr().to_string();
         let asked = loop {
@@ -1467,8 +1477,41 @@ async fn warn_if_evicting(nodes: Vec<redis::Client>) {
                 "could not read this Redis's maxmemory-policy; it must be noeviction"
             ),
         }
+        if replicas > 0 {
+            warn_if_short_of_replicas(&node, &address, replicas).await;
+        }
     }))
     .await;
+}
+
+/// Warns, once, if `node` is a primary with fewer than `wanted` replicas
+/// connected: `store.wait_for_replicas` then refuses every write to it
+/// (503) until enough acknowledge. A server that refuses `INFO`, or a
+/// replica (a Cluster URL may name one), is passed over.
+async fn warn_if_short_of_replicas(node: &redis::Client, address: &str, wanted: u32) {
+    let Ok(Ok(info)) = tokio::time::timeout(Duration::from_secs(5), replication(node)).await else {
+        return;
+    };
+    let field = |name: &str| info.lines().find_map(|line| line.strip_prefix(name)).map(str::trim);
+    if field("role:") != Some("master") {
+        return;
+    }
+    let connected: u32 = field("connected_slaves:").and_then(|n| n.parse().ok()).unwrap_or(0);
+    if connected < wanted {
+        tracing::warn!(
+            redis = %address,
+            connected,
+            wait_for_replicas = wanted,
+            "this Redis primary has fewer replicas connected than store.wait_for_replicas asks for: \
+             every write to it is refused (503) until enough of them acknowledge it"
+        );
+    }
+}
+
+/// `node`'s `INFO replication`.
+async fn replication(node: &redis::Client) -> Result<String, RedisError> {
+    let mut connection = node.get_multiplexed_async_connection().await?;
+    redis::cmd("INFO").arg("replication").query_async(&mut connection).await
 }
 
 /// `node`'s `maxmemory-policy`, if it names one.
