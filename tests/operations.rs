@@ -37,7 +37,7 @@ async fn request_logs_name_route_outcome_and_key_hash_but_never_secrets() {
     client
         .send("POST", &proxy.url("/v1/orders"), &[("idempotency-key", "")], body)
         .await;
-    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let text = support::logs::text(&logs);
     for secret in ["SECRET", "TOKEN-7c2e55"] {
         assert!(!text.contains(secret), "`{secret}` leaked into the logs:\n{text}");
     }
@@ -154,7 +154,7 @@ path = "/v1/shadowed"
     client.post(&url, secret_key, "a").await;
     client.post(&url, secret_key, "b").await;
     assert_eq!(upstream.hits(), 3, "shadow mode forwards every one");
-    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let text = support::logs::text(&logs);
     let lines: Vec<&str> = text
         .lines()
         .filter(|line| line.contains("shadow mode forwarded it") && line.contains("shadowed"))
@@ -945,7 +945,7 @@ async fn a_reload_names_the_fields_that_wait_for_a_restart() {
             support::ORDERS
         ),
     );
-    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let text = support::logs::text(&logs);
     for field in ["server.header_read_timeout", "store.timeout", "store.path"] {
         assert!(
             text.lines().any(|l| l.contains(field) && l.contains("after a restart")),
@@ -963,7 +963,7 @@ async fn a_reload_names_the_fields_that_wait_for_a_restart() {
             support::ORDERS
         ),
     );
-    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let text = support::logs::text(&logs);
     assert!(
         text.contains("lock_timeout 2s is under three times store.timeout (1s)"),
         "{text}"
@@ -975,7 +975,7 @@ async fn a_reload_names_the_fields_that_wait_for_a_restart() {
             support::ORDERS
         ),
     );
-    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let text = support::logs::text(&logs);
     assert!(
         text.lines()
             .any(|l| l.contains("store.wait_for_replicas") && l.contains("after a restart")),
@@ -994,7 +994,7 @@ async fn a_redis_that_may_evict_keys_is_warned_about() {
     let _stores = [&evicting, &safe]
         .map(|server| idemgate::store::RedisStore::single(&server.url(), "idemgate", Duration::from_secs(2)).unwrap());
     warned_at_start(&logs, evicting.port, safe.port, "maxmemory-policy").await;
-    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let text = support::logs::text(&logs);
     assert!(text.contains("allkeys-lru") && text.contains(" WARN "), "{text}");
 }
 
@@ -1003,7 +1003,7 @@ async fn a_redis_that_may_evict_keys_is_warned_about() {
 /// that none names the one on `fine`.
 async fn warned_at_start(logs: &std::sync::Mutex<Vec<u8>>, port: u16, fine: u16, what: &str) {
     let warned = |port: u16| {
-        let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+        let text = support::logs::text(logs);
         text.lines()
             .any(|line| line.contains(&format!("127.0.0.1:{port}")) && line.contains(what))
     };
@@ -1060,7 +1060,7 @@ async fn a_redis_user_denied_wait_is_told_so_and_not_that_scripts_are_denied() {
             "{error}"
         );
     }
-    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let text = support::logs::text(&logs);
     assert!(!text.contains("may not run idemgate's scripts"), "{text}");
 }
 

@@ -25,7 +25,7 @@ async fn a_store_outage_logs_a_line_a_second_not_one_a_request() {
     let proxy = support::Proxy::start_with_store(&upstream.url(), route, store).await;
     let client = TestClient::default();
     let lines = |what: &str| {
-        let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+        let text = support::logs::text(&logs);
         text.lines()
             .filter(|line| line.contains(what) && line.contains("outage"))
             .map(str::to_owned)
@@ -65,7 +65,7 @@ async fn a_store_outage_logs_a_line_a_second_not_one_a_request() {
         })
         .sum();
     assert_eq!(told, 21, "{all:?}");
-    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let text = support::logs::text(&logs);
     assert!(!text.contains("releasing an abandoned claim failed"), "{text}");
     assert_eq!(upstream.hits(), 0);
     // Redis is down, not refusing the channel: no ACL is blamed.
@@ -111,7 +111,7 @@ async fn failed_lease_renewals_log_a_line_a_second() {
     for request in slow {
         request.await.unwrap();
     }
-    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let text = support::logs::text(&logs);
     let lines: Vec<&str> = text
         .lines()
         .filter(|line| line.contains("lease renewal failed"))
@@ -139,7 +139,7 @@ async fn a_refused_completion_subscription_is_logged_once_naming_the_channel() {
         .expect("the user is made");
     let _store = redis_store(&redis.url().replace("redis://", "redis://gate:s3cret-pw@"));
     tokio::time::sleep(Duration::from_millis(2500)).await;
-    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    let text = support::logs::text(&logs);
     let refused: Vec<_> = text
         .lines()
         .filter(|line| line.contains("cannot subscribe to Redis completions") && line.contains("NoPerm"))

@@ -281,7 +281,7 @@ impl Cluster {
     /// may yet run.
     ///
     /// A command that `writes` nothing is not held for its node's replicas
-    /// ([`resp::Connection::query_read_only`]).
+    /// ([`resp::Connection::query_as`]).
     pub(super) async fn query<T: FromRedisValue>(&self, command: &Cmd, writes: bool) -> RedisResult<T> {
         let slot = key_of(command)
             .map(slot_of)
@@ -301,10 +301,8 @@ impl Cluster {
             let sent = async {
                 if asking {
                     connection.query_asking(command, writes).await
-                } else if writes {
-                    connection.query(command).await
                 } else {
-                    connection.query_read_only(command).await
+                    connection.query_as(command, writes).await
                 }
             };
             // A timer of its own, as the store's deadline does not always
@@ -533,7 +531,7 @@ async fn agreed_answer(asks: Vec<(String, resp::Connection)>, timeout: Duration)
         .map(|(host, connection)| async move {
             let command = redis::cmd("CLUSTER").arg("SLOTS").clone();
             let answer: Value = connection
-                .query_read_only(&command)
+                .query_as(&command, false)
                 .await
                 .map_err(|error| resp::unquoted(&error.to_string()).into_owned())?;
             let owners =
@@ -542,7 +540,7 @@ async fn agreed_answer(asks: Vec<(String, resp::Connection)>, timeout: Duration)
             // fails on the map, as it always did. A user not allowed
             // `CLUSTER MYID` still votes, as a node of its own.
             let id: Option<String> = connection
-                .query_read_only(&redis::cmd("CLUSTER").arg("MYID").clone())
+                .query_as(&redis::cmd("CLUSTER").arg("MYID").clone(), false)
                 .await
                 .ok();
             Ok::<_, String>((id, owners))

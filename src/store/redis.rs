@@ -30,7 +30,7 @@
 //!
 //! Redis must not evict keys (an evicted claim would let a retry through):
 //! the store warns about any server whose `maxmemory-policy` is not
-//! `noeviction` ([`warn_if_evicting`]).
+//! `noeviction` ([`check_servers`]).
 //!
 //! Waiting across replicas: a waiter marks the in-flight record as waited
 //! on, appending one byte to it (`APPEND` keeps its lease), in the script
@@ -459,8 +459,7 @@ impl Conn<'_> {
         writes: bool,
     ) -> Result<T, RedisError> {
         match self {
-            Conn::Single(connection) if writes => connection.query(command).await,
-            Conn::Single(connection) => connection.query_read_only(command).await,
+            Conn::Single(connection) => connection.query_as(command, writes).await,
             Conn::Cluster(cluster) => cluster.query(command, writes).await,
         }
     }
@@ -886,7 +885,7 @@ impl RedisStore {
     fn new(connection: Connection, prefix: KeyPrefix, subscribe_to: Vec<redis::Client>, replicas: u32) -> RedisStore {
         let waiters = Arc::new(Waiters::default());
         let listening = Arc::new(AtomicBool::new(false));
-        let eviction_check = tokio::spawn(warn_if_evicting(subscribe_to.clone(), replicas));
+        let eviction_check = tokio::spawn(check_servers(subscribe_to.clone(), replicas));
         let subscriber = tokio::spawn(listen(subscribe_to, prefix.clone(), waiters.clone(), listening.clone()));
         let batches = matches!(connection, Connection::Single { .. }).then(PerThread::new);
         RedisStore {
@@ -1452,7 +1451,7 @@ impl Store for RedisStore {
 /// server that refuses `CONFIG` (some managed services) is only noted.
 /// With `store.wait_for_replicas` (`replicas`), a primary with fewer
 /// replicas connected is warned about too ([`warn_if_short_of_replicas`]).
-async fn warn_if_evicting(nodes: Vec<redis::Client>, replicas: u32) {
+async fn check_servers(nodes: Vec<redis::Client>, replicas: u32) {
     futures_util::future::join_all(nodes.into_iter().map(|node| async move {
         let address = node.get_connection_info().addr().to_string();
         let asked = loop {

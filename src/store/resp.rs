@@ -121,15 +121,15 @@ impl Target {
         self
     }
 
-    /// The `WAIT` that follows each batch, and how many replicas it asks for.
-    fn wait_command(&self) -> Option<(Vec<u8>, u32)> {
+    /// The `WAIT` that follows each batch.
+    fn wait_command(&self) -> Option<Vec<u8>> {
         let (replicas, within) = self.replicas?;
         let mut bytes = Vec::new();
         redis::cmd("WAIT")
             .arg(replicas)
             .arg(within.as_millis() as u64)
             .write_packed_command(&mut bytes);
-        Some((bytes, replicas))
+        Some(bytes)
     }
 
     /// The `AUTH` and `SELECT` a new connection sends before anything else;
@@ -206,9 +206,8 @@ enum Slot {
     /// command writes, once the `WAIT` after its batch says enough
     /// replicas hold it.
     Caller(oneshot::Sender<RedisResult<Value>>, bool),
-    /// It is the answer to the `WAIT` after a batch, which asked for this
-    /// many replicas ([`Target::copied_to`]).
-    Copies(u32),
+    /// It is the answer to the `WAIT` after a batch ([`Target::copied_to`]).
+    Copies,
 }
 
 enum Link {
@@ -249,31 +248,26 @@ impl Connection {
     }
 
     /// Sends `command` and reads its answer as `T`; an error answer is an
-    /// `Err` of its kind (`NOSCRIPT`, ...).
-    pub async fn query<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
-        self.query_after(None, command, true).await
+    /// `Err` of its kind (`NOSCRIPT`, ...). `writes`: whether it may write.
+    /// Where the target asks for copies, the answer to a command that does
+    /// not (`CLUSTER SLOTS`, a read) is handed out as it comes, and a batch
+    /// of none but such commands is followed by no `WAIT` (which, on a node
+    /// whose replicas are missing, would hold the connection for its whole
+    /// timeout).
+    pub async fn query_as<T: FromRedisValue>(&self, command: &Cmd, writes: bool) -> RedisResult<T> {
+        self.query_after(None, command, writes).await
     }
 
-    /// [`Connection::query`] for a command that writes nothing (`CLUSTER
-    /// SLOTS`): where the target asks for copies, its answer is handed out
-    /// as it comes, and a batch of none but such commands is followed by no
-    /// `WAIT` (which, on a node whose replicas are missing, would hold the
-    /// connection for its whole timeout).
-    pub async fn query_read_only<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
-        self.query_after(None, command, false).await
-    }
-
-    /// [`Connection::query`] with `ASKING` before it, the two queued
+    /// [`Connection::query_as`] with `ASKING` before it, the two queued
     /// together (or neither): nothing comes between them to take the
     /// one-shot flag (`ASKING` lets the node a slot migrates to take a
     /// command for it).
-    /// `writes`: as for [`Connection::query`], or not, as for
-    /// [`Connection::query_read_only`].
+    /// `writes`: as for [`Connection::query_as`].
     pub async fn query_asking<T: FromRedisValue>(&self, command: &Cmd, writes: bool) -> RedisResult<T> {
         self.query_after(Some(&redis::cmd("ASKING")), command, writes).await
     }
 
-    /// [`Connection::query`], after `before` if given (see [`Connection::send`]).
+    /// [`Connection::query_as`], after `before` if given (see [`Connection::send`]).
     async fn query_after<T: FromRedisValue>(
         &self,
         before: Option<&Cmd>,
@@ -720,9 +714,9 @@ async fn write<W: AsyncWrite + Unpin>(ends: EndsWith, written: Arc<Notify>, mut 
                 std::mem::swap(&mut state.out, &mut batch);
                 state.unsent = 0;
                 let writes = std::mem::take(&mut state.writes_unsent);
-                if let Some((command, replicas)) = wait.as_ref().filter(|_| writes) {
+                if let Some(command) = wait.as_ref().filter(|_| writes) {
                     batch.extend_from_slice(command);
-                    state.waiting.push_back(Slot::Copies(*replicas));
+                    state.waiting.push_back(Slot::Copies);
                     state.copying = true;
                 }
             }
@@ -797,7 +791,7 @@ async fn read<R: AsyncRead + Unpin>(ends: EndsWith, written: Arc<Notify>, mut so
                 return shared.fail(epoch, &error);
             }
             slots.extend(state.waiting.drain(..answers.len()));
-            if state.copying && slots.iter().any(|slot| matches!(slot, Slot::Copies(_))) {
+            if state.copying && slots.iter().any(|slot| matches!(slot, Slot::Copies)) {
                 state.copying = false;
                 if !state.out.is_empty() {
                     written.notify_one();
@@ -818,8 +812,8 @@ async fn read<R: AsyncRead + Unpin>(ends: EndsWith, written: Arc<Notify>, mut so
                 Slot::Caller(caller, _) => {
                     let _ = caller.send(Ok(answer));
                 }
-                Slot::Copies(replicas) => {
-                    let short = copied_short(&answer, replicas, copies.map_or(Duration::ZERO, |(_, within)| within));
+                Slot::Copies => {
+                    let short = copies.and_then(|(replicas, within)| copied_short(&answer, replicas, within));
                     for (caller, answer) in held.0.drain(..) {
                         let _ = caller.send(match &short {
                             Some(error) => Err(error.clone()),
@@ -1276,7 +1270,7 @@ mod tests {
     fn ping(runtime: &tokio::runtime::Runtime, connection: &Connection) -> String {
         let command = redis::cmd("PING");
         let answer = runtime.block_on(async {
-            tokio::time::timeout(Duration::from_secs(2), connection.query::<String>(&command)).await
+            tokio::time::timeout(Duration::from_secs(2), connection.query_as::<String>(&command, true)).await
         });
         answer.expect("answered in time").unwrap()
     }

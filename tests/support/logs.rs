@@ -20,6 +20,11 @@ pub fn captured() -> Arc<Mutex<Vec<u8>>> {
     .clone()
 }
 
+/// What [`captured`] holds so far, as text.
+pub fn text(logs: &Mutex<Vec<u8>>) -> String {
+    String::from_utf8_lossy(&logs.lock().unwrap()).into_owned()
+}
+
 struct Sink(Arc<Mutex<Vec<u8>>>);
 
 impl Write for Sink {
