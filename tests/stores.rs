@@ -473,6 +473,71 @@ async fn with_wait_for_replicas_a_request_runs_only_once_a_replica_holds_its_cla
     assert_eq!(upstream.hits(), 2);
 }
 
+/// A completion resent after its connection broke may find the answer
+/// it wrote itself, written before Redis said a replica held it. Found
+/// by a read, it is confirmed by a write on the record (its expiry set
+/// to itself), which `WAIT` covers with all written before it: while the
+/// only replica copies nothing, that is refused, and once it copies
+/// again the replica holds the record, its time left kept. A store
+/// without the setting confirms at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_wait_for_replicas_an_answer_found_by_a_read_is_confirmed_copied() {
+    use idemgate::store::{Fingerprint, Outcome, Owner, RecordKey, StoredResponse};
+    let primary = RedisServer::start();
+    let replica = RedisServer::start_replica_of(&primary);
+    let store = copied_store_within(&primary.url(), 1, Duration::from_secs(1));
+    let plain = redis_store(&primary.url());
+    let (key, fingerprint, owner) = (RecordKey([5; 32]), Fingerprint([6; 32]), Owner::new());
+    let answer = Outcome::Response(Arc::new(StoredResponse::new(
+        StatusCode::CREATED,
+        &[],
+        &[bytes::Bytes::from_static(b"kept")],
+    )));
+    store
+        .claim(&key, &fingerprint, owner, Duration::from_secs(30), None)
+        .await
+        .unwrap();
+    let ttl = Duration::from_secs(3600);
+    assert!(store.complete(&key, &fingerprint, owner, answer, ttl).await.unwrap());
+    let redis_key = primary.cli(&["--scan", "--pattern", "idemgate:*"]).unwrap();
+    let redis_key = redis_key.trim();
+    let expiry = |server: &RedisServer| {
+        let at: u64 = server.cli(&["pexpiretime", redis_key]).unwrap().trim().parse().unwrap();
+        at
+    };
+    let before = expiry(&primary);
+
+    assert!(store.confirm(&key, &fingerprint).await.unwrap());
+    assert!(
+        !store.confirm(&key, &Fingerprint([7; 32])).await.unwrap(),
+        "another request's answer"
+    );
+    assert!(
+        !store.confirm(&RecordKey([8; 32]), &fingerprint).await.unwrap(),
+        "no record"
+    );
+
+    replica.pause();
+    let refused = store.confirm(&key, &fingerprint).await;
+    assert!(refused.is_err(), "{refused:?}");
+    assert!(plain.confirm(&key, &fingerprint).await.unwrap(), "nothing to wait for");
+    replica.resume();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.confirm(&key, &fingerprint).await.is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "never confirmed once the replica copied again"
+        );
+    }
+    // Its own to the millisecond that PTTL rounds to.
+    let after = expiry(&primary);
+    assert!(
+        after.abs_diff(before) <= 2,
+        "the record's time left is its own: {before} then {after}"
+    );
+    assert_eq!(expiry(&replica), after);
+}
+
 /// The failover `store.wait_for_replicas` is for: the primary is killed
 /// (SIGKILL) the moment its last answer is out and while a request is in
 /// flight, and the replica that acknowledged takes over at the same

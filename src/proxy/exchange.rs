@@ -495,6 +495,9 @@ async fn lost(
         Some((Record::Completed { fingerprint: found, outcome: kept }, _))
             if found == *fingerprint && kept == *outcome
     );
+    if landed && !confirmed(store, key, fingerprint, ttl).await {
+        return false;
+    }
     if landed {
         tracing::warn!(
             key = %key.tag(),
@@ -505,6 +508,38 @@ async fn lost(
         tracing::warn!(key = %key.tag(), "lease lost to another request: this answer was not recorded");
     }
     landed
+}
+
+/// Whether the store confirms that the record of `key` found holding this
+/// answer is kept as a completion it acknowledged would be: found by a
+/// read, it may have been written by a connection that broke before Redis
+/// said its replicas held it (`store.wait_for_replicas`), and a failover
+/// then would lose it. Asked again, backing off as [`retry_completion`]
+/// does, while the store fails, until `ttl` (when the record would be
+/// gone anyway).
+async fn confirmed(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, ttl: Duration) -> bool {
+    let give_up = Instant::now() + ttl;
+    let mut pause = Duration::from_millis(100);
+    let failed = loop {
+        match store.confirm(key, fingerprint).await {
+            Ok(true) => return true,
+            Ok(false) => {
+                tracing::warn!(key = %key.tag(), "the record holding this answer went before it could be confirmed kept");
+                return false;
+            }
+            Err(error) if Instant::now() >= give_up => break error,
+            Err(_) => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+        }
+    };
+    tracing::error!(
+        key = %key.tag(),
+        error = %error_chain(&failed),
+        "the record holds this answer, but the store never confirmed it kept (copied to its replicas)"
+    );
+    false
 }
 
 /// Collects the response for the record, up to `max_response_body` bytes.
@@ -1156,34 +1191,72 @@ mod tests {
         assert!(releasing.await.unwrap());
     }
 
-    /// A completion that landed is told from a lost lease even when the
-    /// store fails the first looks at the record; one it never lets be
-    /// read is neither.
-    #[tokio::test]
-    async fn a_completion_that_landed_is_found_past_a_failing_look() {
-        let (key, fingerprint, owner) = (RecordKey([1; 32]), Fingerprint([2; 32]), Owner(7));
+    /// The key, fingerprint, owner and answer of [`completed_on`]'s record.
+    fn landed_parts() -> (RecordKey, Fingerprint, Owner, Outcome) {
         let answer = Outcome::Response(Arc::new(StoredResponse::new(
             StatusCode::CREATED,
             &[],
             &[Bytes::from_static(b"a")],
         )));
+        (RecordKey([1; 32]), Fingerprint([2; 32]), Owner(7), answer)
+    }
+
+    /// `store`, behind a handle, holding [`landed_parts`]'s record,
+    /// claimed and completed for `ttl`.
+    async fn completed_on(store: Arc<crate::store::faulty::Faulty>, ttl: Duration) -> StoreHandle {
+        let (key, fingerprint, owner, answer) = landed_parts();
+        let handle = StoreHandle::new(store, Duration::from_secs(1));
+        handle
+            .claim(&key, &fingerprint, owner, Duration::from_secs(30), None)
+            .await
+            .unwrap();
+        assert!(handle.complete(&key, &fingerprint, owner, answer, ttl).await.unwrap());
+        handle
+    }
+
+    /// A completion found landed by a read counts once the store confirms
+    /// it kept (a Redis's replicas hold it, with
+    /// `store.wait_for_replicas`), asked again while it fails; never
+    /// confirmed by the record's TTL, it does not count.
+    #[tokio::test]
+    async fn a_completion_found_landed_counts_once_the_store_confirms_it_kept() {
+        let (key, fingerprint, owner, answer) = landed_parts();
+        for (failures, ttl, found) in [
+            (2, Duration::from_secs(60), true),
+            (usize::MAX, Duration::from_millis(250), false),
+        ] {
+            let store = Arc::new(crate::store::faulty::Faulty {
+                failing_confirms: failures.into(),
+                ..crate::store::faulty::Faulty::new()
+            });
+            let handle = completed_on(store.clone(), ttl).await;
+            let started = Instant::now();
+            assert_eq!(
+                lost(&handle, &key, &fingerprint, owner, &answer, ttl).await,
+                found,
+                "{failures} failures"
+            );
+            if found {
+                assert_eq!(store.failing_confirms.load(std::sync::atomic::Ordering::Relaxed), 0);
+            } else {
+                assert!(started.elapsed() >= ttl, "{:?}", started.elapsed());
+            }
+        }
+    }
+
+    /// A completion that landed is told from a lost lease even when the
+    /// store fails the first looks at the record; one it never lets be
+    /// read is neither.
+    #[tokio::test]
+    async fn a_completion_that_landed_is_found_past_a_failing_look() {
+        let (key, fingerprint, owner, answer) = landed_parts();
         for (failures, found) in [(LOST_LOOKS, true), (LOST_LOOKS + 1, false)] {
             let store = Arc::new(crate::store::faulty::Faulty {
                 failing_looks: failures.into(),
                 ..crate::store::faulty::Faulty::new()
             });
-            let handle = StoreHandle::new(store.clone(), Duration::from_secs(1));
-            handle
-                .claim(&key, &fingerprint, owner, Duration::from_secs(30), None)
-                .await
-                .unwrap();
             let ttl = Duration::from_secs(60);
-            assert!(
-                handle
-                    .complete(&key, &fingerprint, owner, answer.clone(), ttl)
-                    .await
-                    .unwrap()
-            );
+            let handle = completed_on(store, ttl).await;
             assert_eq!(
                 lost(&handle, &key, &fingerprint, owner, &answer, ttl).await,
                 found,

@@ -13,6 +13,10 @@ pub(crate) struct Faulty {
     /// Looks at a record (`inspect`) that fail before one goes through, as
     /// a connection still failing after a cut-off completion does.
     pub failing_looks: AtomicUsize,
+    /// Confirmations that a record found is kept (`confirm`) that fail
+    /// before one goes through, as a Redis whose replicas have not copied
+    /// it yet answers with `store.wait_for_replicas`.
+    pub failing_confirms: AtomicUsize,
     /// Whether a claim, once it has taken the key and yielded once,
     /// panics (a bug in a store's code).
     pub claims_panic: bool,
@@ -23,6 +27,7 @@ impl Faulty {
         Faulty {
             store: MemoryStore::new(1 << 20),
             failing_looks: AtomicUsize::new(0),
+            failing_confirms: AtomicUsize::new(0),
             claims_panic: false,
         }
     }
@@ -68,18 +73,22 @@ impl Store for Faulty {
         self.store.ping().await
     }
     async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
-        if self
-            .failing_looks
-            .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1))
-            .is_ok()
-        {
-            return Err(StoreError::Unavailable(
-                std::io::Error::other("connection reset").into(),
-            ));
-        }
+        fails(&self.failing_looks, "connection reset")?;
         self.store.inspect(key).await
+    }
+    async fn confirm(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Result<bool, StoreError> {
+        fails(&self.failing_confirms, "not copied to enough replicas")?;
+        self.store.confirm(key, fingerprint).await
     }
     async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
         self.store.purge(key).await
+    }
+}
+
+/// Fails with `why` while `failing` counts down.
+fn fails(failing: &AtomicUsize, why: &str) -> Result<(), StoreError> {
+    match failing.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1)) {
+        Ok(_) => Err(StoreError::Unavailable(std::io::Error::other(why).into())),
+        Err(_) => Ok(()),
     }
 }

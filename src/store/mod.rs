@@ -473,6 +473,17 @@ pub trait Store: Send + Sync + 'static {
     /// The record under `key` and its time left, for operators.
     async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError>;
 
+    /// Whether `key` holds a completed record of `fingerprint`'s request
+    /// as safely as a completion the store acknowledged would: for a
+    /// record found by a read, such as a completion resent after its
+    /// connection broke finds, before it is taken as landed. A store that
+    /// shows only what it keeps says so at once; a Redis store with
+    /// `store.wait_for_replicas` answers once that many replicas hold it.
+    async fn confirm(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Result<bool, StoreError> {
+        let _ = (key, fingerprint);
+        Ok(true)
+    }
+
     /// Removes the record under `key`, whoever holds it (an operator's
     /// purge of a stuck claim), and wakes its waiters; `false` when there
     /// was none (an expired record counts as none).
@@ -792,6 +803,10 @@ impl StoreHandle {
     /// given their time to be read.
     pub async fn inspect_sized(&self, key: &RecordKey, bytes: usize) -> Result<Option<(Record, Duration)>, StoreError> {
         self.deadline_for(bytes, self.store.inspect(key)).await
+    }
+
+    pub async fn confirm(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Result<bool, StoreError> {
+        self.deadline(self.store.confirm(key, fingerprint)).await
     }
 
     pub async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {

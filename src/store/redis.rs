@@ -26,7 +26,9 @@
 //! ([`resp::Target::copied_to`]), so a failover loses no claim or answer
 //! a caller was told of. Fewer in time, and the calls fail as unavailable;
 //! a primary with fewer replicas connected is warned about at start
-//! ([`warn_if_short_of_replicas`]).
+//! ([`warn_if_short_of_replicas`]). An answer found by a read, as a
+//! completion resent after its connection broke finds its own, counts
+//! once a write on it is copied ([`Store::confirm`], `CONFIRM`).
 //!
 //! Redis must not evict keys (an evicted claim would let a retry through):
 //! the store warns about any server whose `maxmemory-policy` is not
@@ -340,6 +342,20 @@ redis.call('DEL', KEYS[1])
 return 1
 ";
 
+/// Rewrites the expiry of a completed record holding the answer of
+/// fingerprint `ARGV[1]` to itself (to the millisecond: PTTL and PEXPIRE
+/// are on every Redis and every ACL that lets idemgate run), a write that
+/// `WAIT` then covers, and with it every write before it (see
+/// [`RedisStore::confirm`]). Returns 1, or 0 when the key holds no such
+/// record.
+const CONFIRM: &str = r"
+local v = redis.call('GET', KEYS[1])
+if not v or string.byte(v, 2) == 0 or string.sub(v, 3, 34) ~= ARGV[1] then return 0 end
+local t = redis.call('PTTL', KEYS[1])
+if t > 0 then redis.call('PEXPIRE', KEYS[1], t) else redis.call('SET', KEYS[1], v, 'KEEPTTL') end
+return 1
+";
+
 const PEEK: &str = r"
 local v = redis.call('GET', KEYS[1])
 if not v then return false end
@@ -405,6 +421,7 @@ struct Scripts {
     release: Lua,
     renew: Lua,
     peek: Lua,
+    confirm: Lua,
     watch: Lua,
     purge: Lua,
     ping: Lua,
@@ -419,6 +436,7 @@ impl Scripts {
             release: Lua::new(&format!("{OWNED}{ANNOUNCE}{RELEASE}")),
             renew: Lua::new(&format!("{OWNED}{RENEW}")),
             peek: Lua::read_only(PEEK),
+            confirm: Lua::new(CONFIRM),
             watch: Lua::new(WATCH),
             purge: Lua::new(&format!("{PURGE}{ANNOUNCE}return 1\n")),
             ping: Lua::new(PING),
@@ -525,6 +543,9 @@ pub struct RedisStore {
     batching: AtomicBool,
     /// Claims sent and not yet answered, per thread (see [`Claims`]).
     claims: PerThread<Claims>,
+    /// `store.wait_for_replicas`: writes count once this many replicas
+    /// hold them.
+    replicas: u32,
     _subscriber: AbortOnDrop,
     _eviction_check: AbortOnDrop,
 }
@@ -900,6 +921,7 @@ impl RedisStore {
             batches,
             batching: AtomicBool::new(true),
             claims: PerThread::new(),
+            replicas,
             _subscriber: AbortOnDrop(subscriber),
             _eviction_check: AbortOnDrop(eviction_check),
         }
@@ -1399,6 +1421,20 @@ impl Store for RedisStore {
         let until = timeout.min(recheck).min(Duration::from_millis(pttl.max(1) as u64));
         let _ = tokio::time::timeout(until, notified).await;
         Ok(())
+    }
+
+    /// With `store.wait_for_replicas`, a write on the record (`CONFIRM`)
+    /// held like any until that many replicas hold it, and so everything
+    /// written to the key before it: the answer found may have been
+    /// written by a connection that broke before its `WAIT` was answered.
+    async fn confirm(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Result<bool, StoreError> {
+        if self.replicas == 0 {
+            return Ok(true);
+        }
+        let done: i64 = self
+            .eval(&self.scripts.confirm, self.redis_key(key).as_bytes(), &[&fingerprint.0])
+            .await?;
+        Ok(done == 1)
     }
 
     async fn inspect(&self, key: &RecordKey) -> Result<Option<(Record, Duration)>, StoreError> {
