@@ -475,30 +475,32 @@ async fn with_wait_for_replicas_a_request_runs_only_once_a_replica_holds_its_cla
 
 /// A completion resent after its connection broke may find the answer
 /// it wrote itself, written before Redis said a replica held it. Found
-/// by a read, it is confirmed by a write on the record (its expiry set
-/// to itself), which `WAIT` covers with all written before it: while the
-/// only replica copies nothing, that is refused, and once it copies
-/// again the replica holds the record, its time left kept. A store
-/// without the setting confirms at once.
+/// by a read over another connection, it is confirmed by a write on the
+/// record (its expiry set to itself), which `WAIT` covers with all written
+/// before it: while the only replica copies nothing, that is refused, and
+/// once it copies again the replica holds the record, its time left kept.
+/// A store without the setting confirms at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_wait_for_replicas_an_answer_found_by_a_read_is_confirmed_copied() {
-    use idemgate::store::{Fingerprint, Outcome, Owner, RecordKey, StoredResponse};
+    use idemgate::store::{Claim, Fingerprint, Outcome, Owner, RecordKey, StoredResponse};
     let primary = RedisServer::start();
     let replica = RedisServer::start_replica_of(&primary);
     let store = copied_store_within(&primary.url(), 1, Duration::from_secs(1));
-    let plain = redis_store(&primary.url());
     let (key, fingerprint, owner) = (RecordKey([5; 32]), Fingerprint([6; 32]), Owner::new());
     let answer = Outcome::Response(Arc::new(StoredResponse::new(
         StatusCode::CREATED,
         &[],
         &[bytes::Bytes::from_static(b"kept")],
     )));
-    store
-        .claim(&key, &fingerprint, owner, Duration::from_secs(30), None)
-        .await
-        .unwrap();
+    let lease = Duration::from_secs(30);
+    let claimed = store.claim(&key, &fingerprint, owner, lease, None).await.unwrap();
+    assert_eq!(claimed, Claim::Claimed);
+
+    // The completion lands on the primary alone, and is told it failed.
+    replica.pause();
     let ttl = Duration::from_secs(3600);
-    assert!(store.complete(&key, &fingerprint, owner, answer, ttl).await.unwrap());
+    let completed = store.complete(&key, &fingerprint, owner, answer, ttl).await;
+    assert!(completed.is_err(), "{completed:?}");
     let redis_key = primary.cli(&["--scan", "--pattern", "idemgate:*"]).unwrap();
     let redis_key = redis_key.trim();
     let expiry = |server: &RedisServer| {
@@ -506,29 +508,32 @@ async fn with_wait_for_replicas_an_answer_found_by_a_read_is_confirmed_copied() 
         at
     };
     let before = expiry(&primary);
+    assert!(before > 0, "the answer is on the primary");
 
-    assert!(store.confirm(&key, &fingerprint).await.unwrap());
-    assert!(
-        !store.confirm(&key, &Fingerprint([7; 32])).await.unwrap(),
-        "another request's answer"
-    );
-    assert!(
-        !store.confirm(&RecordKey([8; 32]), &fingerprint).await.unwrap(),
-        "no record"
-    );
-
-    replica.pause();
-    let refused = store.confirm(&key, &fingerprint).await;
+    // Found by a read over another connection, as after a reconnect: not
+    // confirmed until the replica holds it.
+    let again = copied_store_within(&primary.url(), 1, Duration::from_secs(1));
+    let refused = again.confirm(&key, &fingerprint).await;
     assert!(refused.is_err(), "{refused:?}");
+    let plain = redis_store(&primary.url());
     assert!(plain.confirm(&key, &fingerprint).await.unwrap(), "nothing to wait for");
     replica.resume();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while store.confirm(&key, &fingerprint).await.is_err() {
+    while again.confirm(&key, &fingerprint).await.is_err() {
         assert!(
             Instant::now() < deadline,
             "never confirmed once the replica copied again"
         );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    assert!(
+        !again.confirm(&key, &Fingerprint([7; 32])).await.unwrap(),
+        "another request's answer"
+    );
+    assert!(
+        !again.confirm(&RecordKey([8; 32]), &fingerprint).await.unwrap(),
+        "no record"
+    );
     // Its own to the millisecond that PTTL rounds to.
     let after = expiry(&primary);
     assert!(

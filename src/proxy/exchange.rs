@@ -417,6 +417,10 @@ const LOST_WAIT: Duration = Duration::from_secs(5);
 const LOST_LOOKS: usize = 3;
 const LOST_LOOK_PAUSE: Duration = Duration::from_millis(100);
 
+/// How many times [`lost`] looks at a record again that went before it
+/// was confirmed kept.
+const LOST_ROUNDS: usize = 3;
+
 /// Logs why a completion found another's claim or record, and returns
 /// whether the record holds this answer anyway. Usually the lease ran out
 /// and another request took the key; but a completion that reached the
@@ -439,6 +443,9 @@ const LOST_LOOK_PAUSE: Duration = Duration::from_millis(100);
 /// released as it comes back). The answer the client got is written
 /// again, as a completion writes where no record is, so a retry replays
 /// it instead of running the request a second time.
+///
+/// A record found holding this answer counts once the store confirms it
+/// kept ([`confirmed`]); one that goes meanwhile is looked at again.
 async fn lost(
     store: &StoreHandle,
     key: &RecordKey,
@@ -447,67 +454,90 @@ async fn lost(
     outcome: &Outcome,
     ttl: Duration,
 ) -> bool {
-    let mut found = look(store, key, outcome).await;
-    if let Ok(Some((Record::InFlight { .. }, _))) = found {
-        // Another request's claim: often one given up on (its client got
-        // a 503 while the store did not answer, and its release is on the
-        // way once the store does). Waited out, for a while, and looked
-        // at again.
-        let _ = store.wait(key, LOST_WAIT).await;
-        found = look(store, key, outcome).await;
-    }
-    let found = match found {
-        Ok(found) => found,
-        Err(error) => {
-            tracing::warn!(
-                key = %key.tag(),
-                error = %error_chain(&error),
-                "the claim was gone, and the record could not be read to tell whether it holds this answer"
-            );
-            return false;
+    // A record found holding this answer that goes before it is
+    // confirmed kept (a failover to a replica that never had it) is
+    // looked at again, and so written again.
+    for _ in 0..LOST_ROUNDS {
+        let mut found = look(store, key, outcome).await;
+        if let Ok(Some((Record::InFlight { .. }, _))) = found {
+            // Another request's claim: often one given up on (its client
+            // got a 503 while the store did not answer, and its release is
+            // on the way once the store does). Waited out, for a while, and
+            // looked at again.
+            let _ = store.wait(key, LOST_WAIT).await;
+            found = look(store, key, outcome).await;
         }
-    };
-    if found.is_none() {
-        // As the look, tried again while the store fails: in a failover
-        // it may still be settling.
-        let write = || store.complete(key, fingerprint, owner, outcome.clone(), ttl);
-        let written = asked_again(write, Result::is_ok).await;
-        const GONE: &str = "the claim was gone, and so was any record (another request's claim released, a \
-                            purge, or a store that lost it, as in a failover)";
-        match written {
-            Ok(true) => {
-                tracing::warn!(key = %key.tag(), "{GONE}: written again with this answer");
-                return true;
-            }
-            Ok(false) => {}
+        let found = match found {
+            Ok(found) => found,
             Err(error) => {
                 tracing::warn!(
                     key = %key.tag(),
                     error = %error_chain(&error),
-                    "{GONE}: writing it again with this answer failed"
+                    "the claim was gone, and the record could not be read to tell whether it holds this answer"
                 );
                 return false;
             }
+        };
+        if found.is_none() {
+            // As the look, tried again while the store fails: in a
+            // failover it may still be settling.
+            let write = || store.complete(key, fingerprint, owner, outcome.clone(), ttl);
+            let written = asked_again(write, Result::is_ok).await;
+            const GONE: &str = "the claim was gone, and so was any record (another request's claim released, \
+                                a purge, or a store that lost it, as in a failover)";
+            match written {
+                Ok(true) => {
+                    tracing::warn!(key = %key.tag(), "{GONE}: written again with this answer");
+                    return true;
+                }
+                Ok(false) => {}
+                Err(error) => {
+                    tracing::warn!(
+                        key = %key.tag(),
+                        error = %error_chain(&error),
+                        "{GONE}: writing it again with this answer failed"
+                    );
+                    return false;
+                }
+            }
+        }
+        let left = match found {
+            Some((
+                Record::Completed {
+                    fingerprint: found,
+                    outcome: kept,
+                },
+                left,
+            )) if found == *fingerprint && kept == *outcome => left,
+            _ => {
+                tracing::warn!(key = %key.tag(), "lease lost to another request: this answer was not recorded");
+                return false;
+            }
+        };
+        match confirmed(store, key, fingerprint, left).await {
+            Confirmed::Kept => {
+                tracing::warn!(
+                    key = %key.tag(),
+                    "the claim was gone, but the record holds this answer: a completion resent after it landed, \
+                     or a retry's identical one"
+                );
+                return true;
+            }
+            Confirmed::Gone => {}
+            Confirmed::Failed => return false,
         }
     }
-    let landed = matches!(
-        found,
-        Some((Record::Completed { fingerprint: found, outcome: kept }, _))
-            if found == *fingerprint && kept == *outcome
-    );
-    if landed && !confirmed(store, key, fingerprint, ttl).await {
-        return false;
-    }
-    if landed {
-        tracing::warn!(
-            key = %key.tag(),
-            "the claim was gone, but the record holds this answer: a completion resent after it landed, \
-             or a retry's identical one"
-        );
-    } else {
-        tracing::warn!(key = %key.tag(), "lease lost to another request: this answer was not recorded");
-    }
-    landed
+    tracing::warn!(key = %key.tag(), "the record holding this answer kept going before it was confirmed kept");
+    false
+}
+
+/// What [`confirmed`] found.
+enum Confirmed {
+    Kept,
+    /// The record holding the answer is no longer there.
+    Gone,
+    /// The store never confirmed it while it lasted.
+    Failed,
 }
 
 /// Whether the store confirms that the record of `key` found holding this
@@ -515,18 +545,15 @@ async fn lost(
 /// read, it may have been written by a connection that broke before Redis
 /// said its replicas held it (`store.wait_for_replicas`), and a failover
 /// then would lose it. Asked again, backing off as [`retry_completion`]
-/// does, while the store fails, until `ttl` (when the record would be
-/// gone anyway).
-async fn confirmed(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, ttl: Duration) -> bool {
-    let give_up = Instant::now() + ttl;
+/// does, while the store fails, for the record's time `left` (when it
+/// would be gone anyway).
+async fn confirmed(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerprint, left: Duration) -> Confirmed {
+    let give_up = Instant::now() + left;
     let mut pause = Duration::from_millis(100);
     let failed = loop {
         match store.confirm(key, fingerprint).await {
-            Ok(true) => return true,
-            Ok(false) => {
-                tracing::warn!(key = %key.tag(), "the record holding this answer went before it could be confirmed kept");
-                return false;
-            }
+            Ok(true) => return Confirmed::Kept,
+            Ok(false) => return Confirmed::Gone,
             Err(error) if Instant::now() >= give_up => break error,
             Err(_) => {
                 tokio::time::sleep(pause).await;
@@ -539,7 +566,7 @@ async fn confirmed(store: &StoreHandle, key: &RecordKey, fingerprint: &Fingerpri
         error = %error_chain(&failed),
         "the record holds this answer, but the store never confirmed it kept (copied to its replicas)"
     );
-    false
+    Confirmed::Failed
 }
 
 /// Collects the response for the record, up to `max_response_body` bytes.
@@ -1217,31 +1244,40 @@ mod tests {
     /// A completion found landed by a read counts once the store confirms
     /// it kept (a Redis's replicas hold it, with
     /// `store.wait_for_replicas`), asked again while it fails; never
-    /// confirmed by the record's TTL, it does not count.
+    /// confirmed while the record lasts, it does not count. One that goes
+    /// meanwhile (a failover to a replica that never had it) is written
+    /// again.
     #[tokio::test]
     async fn a_completion_found_landed_counts_once_the_store_confirms_it_kept() {
         let (key, fingerprint, owner, answer) = landed_parts();
-        for (failures, ttl, found) in [
-            (2, Duration::from_secs(60), true),
-            (usize::MAX, Duration::from_millis(250), false),
-        ] {
-            let store = Arc::new(crate::store::faulty::Faulty {
-                failing_confirms: failures.into(),
+        let faulty = |failing: usize, purging: usize| {
+            Arc::new(crate::store::faulty::Faulty {
+                failing_confirms: failing.into(),
+                purging_confirms: purging.into(),
                 ..crate::store::faulty::Faulty::new()
-            });
-            let handle = completed_on(store.clone(), ttl).await;
-            let started = Instant::now();
-            assert_eq!(
-                lost(&handle, &key, &fingerprint, owner, &answer, ttl).await,
-                found,
-                "{failures} failures"
-            );
-            if found {
-                assert_eq!(store.failing_confirms.load(std::sync::atomic::Ordering::Relaxed), 0);
-            } else {
-                assert!(started.elapsed() >= ttl, "{:?}", started.elapsed());
-            }
-        }
+            })
+        };
+        let long = Duration::from_secs(60);
+        let store = faulty(2, 0);
+        let handle = completed_on(store.clone(), long).await;
+        assert!(lost(&handle, &key, &fingerprint, owner, &answer, long).await);
+        assert_eq!(store.failing_confirms.load(std::sync::atomic::Ordering::Relaxed), 0);
+
+        let short = Duration::from_secs(1);
+        let handle = completed_on(faulty(usize::MAX, 0), short).await;
+        let started = Instant::now();
+        assert!(!lost(&handle, &key, &fingerprint, owner, &answer, short).await);
+        assert!(started.elapsed() >= short / 2, "{:?}", started.elapsed());
+
+        let store = faulty(0, 1);
+        let handle = completed_on(store.clone(), long).await;
+        assert!(lost(&handle, &key, &fingerprint, owner, &answer, long).await);
+        assert_eq!(store.purging_confirms.load(std::sync::atomic::Ordering::Relaxed), 0);
+        let found = handle.inspect(&key).await.unwrap();
+        assert!(
+            matches!(&found, Some((Record::Completed { outcome, .. }, _)) if *outcome == answer),
+            "{found:?}"
+        );
     }
 
     /// A completion that landed is told from a lost lease even when the

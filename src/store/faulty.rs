@@ -17,6 +17,9 @@ pub(crate) struct Faulty {
     /// before one goes through, as a Redis whose replicas have not copied
     /// it yet answers with `store.wait_for_replicas`.
     pub failing_confirms: AtomicUsize,
+    /// Confirmations that find the record gone, purged as they look (a
+    /// failover to a replica that never had it), before one goes through.
+    pub purging_confirms: AtomicUsize,
     /// Whether a claim, once it has taken the key and yielded once,
     /// panics (a bug in a store's code).
     pub claims_panic: bool,
@@ -28,6 +31,7 @@ impl Faulty {
             store: MemoryStore::new(1 << 20),
             failing_looks: AtomicUsize::new(0),
             failing_confirms: AtomicUsize::new(0),
+            purging_confirms: AtomicUsize::new(0),
             claims_panic: false,
         }
     }
@@ -78,6 +82,10 @@ impl Store for Faulty {
     }
     async fn confirm(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Result<bool, StoreError> {
         fails(&self.failing_confirms, "not copied to enough replicas")?;
+        if fails(&self.purging_confirms, "").is_err() {
+            self.store.purge(key).await?;
+            return Ok(false);
+        }
         self.store.confirm(key, fingerprint).await
     }
     async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {

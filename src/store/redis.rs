@@ -343,16 +343,17 @@ return 1
 ";
 
 /// Rewrites the expiry of a completed record holding the answer of
-/// fingerprint `ARGV[1]` to itself (to the millisecond: PTTL and PEXPIRE
-/// are on every Redis and every ACL that lets idemgate run), a write that
-/// `WAIT` then covers, and with it every write before it (see
-/// [`RedisStore::confirm`]). Returns 1, or 0 when the key holds no such
-/// record.
+/// fingerprint `ARGV[1]` to itself (to the millisecond; at least 1 ms, as
+/// 0 would delete it; one without an expiry, which idemgate never writes,
+/// is written again as it is), a write that `WAIT` then covers, and with
+/// it every write before it (see [`RedisStore::confirm`]). Only commands
+/// every Redis has and the other scripts call. Returns 1, or 0 when the
+/// key holds no such record.
 const CONFIRM: &str = r"
 local v = redis.call('GET', KEYS[1])
 if not v or string.byte(v, 2) == 0 or string.sub(v, 3, 34) ~= ARGV[1] then return 0 end
 local t = redis.call('PTTL', KEYS[1])
-if t > 0 then redis.call('PEXPIRE', KEYS[1], t) else redis.call('SET', KEYS[1], v, 'KEEPTTL') end
+if t == -1 then redis.call('SET', KEYS[1], v) else redis.call('PEXPIRE', KEYS[1], math.max(t, 1)) end
 return 1
 ";
 
