@@ -342,15 +342,19 @@ impl Shared {
         self.failed.get().or_else(|| self.draining.get())
     }
 
-    /// Adds every key of the file to the filter, then lets it answer; until
-    /// then every lookup reads the file. Runs beside the checkpoints: a key
-    /// they add or remove meanwhile can only be counted once too often
-    /// (the scan's snapshot still had it), never once too few, so the
-    /// filter errs towards reading the file.
-    fn load_filter(&self) {
+    /// Adds every key of the file, as `snapshot` (taken before the first
+    /// checkpoint or sweep) holds them, to the filter, then lets it answer;
+    /// until then every lookup reads the file. Runs beside the checkpoints:
+    /// a key they add or remove meanwhile can only be counted once too
+    /// often (the snapshot still had it), never once too few, so the
+    /// filter errs towards reading the file. (A snapshot taken after a
+    /// removal had committed would miss that key while its removal still
+    /// counted it out: another key of the same prefix would then read as
+    /// absent.)
+    fn load_filter(&self, snapshot: Result<redb::ReadTransaction, StoreError>) {
         let started = Instant::now();
         let scan = || -> Result<u64, StoreError> {
-            let txn = self.db.begin_read().map_err(unavailable)?;
+            let txn = snapshot?;
             let table = txn.open_table(RECORDS).map_err(unavailable)?;
             let mut keys = 0;
             for entry in table.iter().map_err(unavailable)? {
@@ -730,9 +734,10 @@ impl EmbeddedStore {
             written_since_sweep: 0,
         };
         let loading = shared.clone();
+        let snapshot = shared.db.begin_read().map_err(unavailable);
         std::thread::Builder::new()
             .name("embedded-filter".into())
-            .spawn(move || loading.load_filter())
+            .spawn(move || loading.load_filter(snapshot))
             .map_err(unavailable)?;
         std::thread::Builder::new()
             .name("embedded-ckpt".into())
@@ -1647,6 +1652,20 @@ impl Writer {
             }
             return;
         }
+        // Past its segment, the log could not move to a new one (out of
+        // descriptors or inodes, a directory that cannot be written), and
+        // so nothing is checkpointed: the log and the overlay grow with
+        // every batch. Half way to the overlay's limit the store drains,
+        // as when the file cannot be written, and at the limit it fails.
+        if self.wal.offset > SEGMENT_BYTES + OVERLAY_LIMIT as u64 / 2 {
+            drop(overlay);
+            self.shared.drain(
+                "the embedded store's log cannot move to a new segment and has outgrown the memory its records \
+                 are held in; restart to recover"
+                    .into(),
+            );
+            return;
+        }
         let due = overlay.active_bytes >= CHECKPOINT_BYTES || self.last_checkpoint.elapsed() >= CHECKPOINT_EVERY;
         if !due {
             return;
@@ -2372,33 +2391,46 @@ mod tests {
         }
         let store = EmbeddedStore::open(&path).unwrap();
         let body = Bytes::from(vec![b'y'; 100 * 1024]);
-        let key = |i: u8| {
+        let key = |i: u16| {
             let mut key = [9; 32];
-            key[0] = i;
+            key[..2].copy_from_slice(&i.to_le_bytes());
             RecordKey(key)
         };
         let (fingerprint, ttl) = (Fingerprint([1; 32]), Duration::from_secs(60));
-        for i in 0..200 {
+        // Until the log has outgrown its segment by half the overlay's
+        // limit: then the store drains, and takes no new claim.
+        let mut acknowledged = 0;
+        let refused = loop {
+            assert!(acknowledged < 1000, "the log grew without bound");
             let owner = Owner::new();
-            let claimed = store.claim(&key(i), &fingerprint, owner, ttl, None).await.unwrap();
-            assert_eq!(claimed, Claim::Claimed);
+            match store.claim(&key(acknowledged), &fingerprint, owner, ttl, None).await {
+                Ok(claimed) => assert_eq!(claimed, Claim::Claimed),
+                Err(refused) => break refused,
+            }
             assert!(
                 store
-                    .complete(&key(i), &fingerprint, owner, answer(&body), ttl)
+                    .complete(&key(acknowledged), &fingerprint, owner, answer(&body), ttl)
                     .await
                     .unwrap()
             );
-        }
+            acknowledged += 1;
+        };
+        let why = std::error::Error::source(&refused)
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        assert!(why.contains("cannot move to a new segment"), "{refused:?}");
         let segments = Wal::segments(&path).unwrap();
         assert_eq!(segments.len(), 1);
-        assert!(fs::metadata(&segments[0].1).unwrap().len() > SEGMENT_BYTES);
+        let grown = fs::metadata(&segments[0].1).unwrap().len();
+        assert!(grown > SEGMENT_BYTES, "{grown}");
+        assert!(grown < SEGMENT_BYTES + OVERLAY_LIMIT as u64, "{grown}");
         drop(store);
 
         for name in &blocked {
             fs::remove_dir(name).unwrap();
         }
         let store = reopen(&path);
-        for i in 0..200 {
+        for i in 0..acknowledged {
             let found = store
                 .claim(&key(i), &fingerprint, Owner::new(), ttl, None)
                 .await
