@@ -791,17 +791,20 @@ impl Store for EmbeddedStore {
         refresh_ttl: Option<Duration>,
     ) -> Result<Claim, StoreError> {
         // A completed record changes only by expiring: answer replays (that
-        // refresh nothing) and other outcomes (never refreshed) from what is
-        // published, without the writer.
+        // refresh nothing, or were refreshed lately) and other outcomes
+        // (never refreshed) from what is published, without the writer.
         let found = self.shared.fetch(key).await?;
         let absent_at = found.stored.is_none().then_some(found.generation);
+        let now = self.shared.clock.now();
         if let Some(stored) = found.stored
-            && stored.deadline > self.shared.clock.now()
+            && stored.deadline > now
             && let Decoded::Completed {
                 fingerprint: found,
                 outcome,
             } = codec::decode(stored.record)?
-            && (refresh_ttl.is_none() || found != *fingerprint || !outcome.is_response())
+            && (found != *fingerprint
+                || !outcome.is_response()
+                || refresh_ttl.is_none_or(|ttl| refreshed_lately(stored.deadline, now, ms(ttl))))
         {
             return Ok(Claim::Completed {
                 fingerprint: found,
@@ -1705,6 +1708,20 @@ impl Writer {
     }
 }
 
+/// A refreshed TTL restarts at most once every this much of it.
+const REFRESH_SLACK: u64 = 64;
+
+/// Whether a record whose TTL a replay would restart to `ttl` ms from
+/// `now` was written or refreshed within the last [`REFRESH_SLACK`]th of
+/// that TTL: then it is not refreshed again. A refresh writes the whole
+/// answer to the log again, and syncs it; a storm of replays of a large
+/// answer would write it at every replay (a 1 MB answer replayed a
+/// thousand times a second, a gigabyte a second). It expires at most
+/// that much sooner than the last replay's TTL would have it.
+fn refreshed_lately(deadline: u64, now: u64, ttl: u64) -> bool {
+    deadline.saturating_add(ttl / REFRESH_SLACK) >= now.saturating_add(ttl)
+}
+
 /// The store's failure once a write or sync of its log failed.
 fn log_write_failed(error: &std::io::Error) -> String {
     format!("a write to the embedded store's log failed ({error}); restart to recover")
@@ -1873,6 +1890,7 @@ impl Batch<'_> {
                     // until a restart, and replays must not fill it.
                     if let Some(ttl) = refresh.filter(|_| found == *fingerprint && outcome.is_response())
                         && self.shared.draining.get().is_none()
+                        && !refreshed_lately(stored.deadline, self.now, ttl)
                     {
                         self.put(key, self.stamp.saturating_add(ttl), stored.record.clone());
                     }
@@ -2116,6 +2134,45 @@ mod tests {
             &[],
             std::slice::from_ref(body),
         )))
+    }
+
+    /// A replay restarts its TTL through the writer, which logs the whole
+    /// answer again: not when the record was written or refreshed within
+    /// the last sixty-fourth of that TTL, so a storm of replays writes
+    /// nothing.
+    #[tokio::test]
+    async fn a_replay_refreshes_a_ttl_not_refreshed_lately() {
+        let dir = scratch();
+        let store = EmbeddedStore::open(&dir.path().join("t.redb")).unwrap();
+        let body = Bytes::from(vec![b'r'; 256 * 1024]);
+        let logged = || lock(&store.shared.overlay).active_bytes;
+        let (fingerprint, lease) = (Fingerprint([1; 32]), Duration::from_secs(30));
+        for (key, ttl, refreshed) in [
+            (RecordKey([1; 32]), Duration::from_secs(640), false),
+            (RecordKey([2; 32]), Duration::from_millis(6400), true),
+        ] {
+            let owner = Owner::new();
+            store.claim(&key, &fingerprint, owner, lease, None).await.unwrap();
+            assert!(
+                store
+                    .complete(&key, &fingerprint, owner, answer(&body), ttl)
+                    .await
+                    .unwrap()
+            );
+            // A sixty-fourth of 6.4 s is 100 ms; of 640 s, 10 s.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let before = logged();
+            for _ in 0..10 {
+                let replay = store.claim(&key, &fingerprint, Owner::new(), lease, Some(ttl)).await;
+                assert!(matches!(replay, Ok(Claim::Completed { .. })), "{replay:?}");
+            }
+            let written = logged() - before;
+            assert_eq!(written > body.len(), refreshed, "{written} bytes logged");
+            assert!(
+                written < 2 * body.len(),
+                "{written} bytes logged: refreshed more than once"
+            );
+        }
     }
 
     #[test]
