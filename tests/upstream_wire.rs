@@ -101,6 +101,9 @@ fn script(path: &str) -> (&'static [u8], bool) {
         "/below-100" => (b"HTTP/1.1 099 Weird\r\ncontent-length: 5\r\n\r\nhello", false),
         "/cut-below-100" => (b"HTTP/1.1 000 Zero\r\ncontent-", true),
         "/cut-busy" => (b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 1\r\n", true),
+        // Interim heads cut off, and refused: no answer yet.
+        "/cut-interim" => (b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n", true),
+        "/bad-interim" => (b"HTTP/1.1 103 Early Hints\r\nno colon here\r\n\r\n", true),
         // Heads that stop after their status, the connection left open.
         "/stall-head" => (b"HTTP/1.1 201 Created\r\nlocation: /v1/orders/78\r\n", false),
         "/stall-busy" => (b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 1\r\n", false),
@@ -473,6 +476,35 @@ on_upstream_failure = "release"
     // Each path's GET and first POST, and the second POST where released.
     let released = paths.iter().filter(|(_, kept)| !kept).count();
     assert_eq!(upstream.bodies.lock().unwrap().len(), 2 * paths.len() + released);
+}
+
+/// An interim (1xx) head cut off, or one that does not parse, says
+/// nothing of whether the backend acts on the request: as when one came
+/// whole and the connection then broke, `on_upstream_failure` settles it
+/// (here "release": the retry runs), where a final answer's status would
+/// keep the key as an unknown outcome.
+#[tokio::test]
+async fn an_interim_head_cut_off_or_refused_is_settled_as_no_answer() {
+    let (upstream, proxy) = behind_proxy(
+        r#"
+[[route]]
+name = "interim"
+path = "/{answer}"
+on_upstream_failure = "release"
+"#,
+    )
+    .await;
+    let client = TestClient::default();
+    let paths = ["/cut-interim", "/bad-interim"];
+    for path in paths {
+        let key = format!("k{path}");
+        for _ in 0..2 {
+            let answer = client.post(&proxy.url(path), &key, "{}").await;
+            assert_eq!(answer.status, StatusCode::BAD_GATEWAY, "{path}: {}", answer.text());
+            assert_eq!(answer.problem(), "upstream-unavailable", "{path}: {}", answer.text());
+        }
+    }
+    assert_eq!(upstream.bodies.lock().unwrap().len(), 2 * paths.len());
 }
 
 /// A head that stops after its status line until `upstream.timeout` is

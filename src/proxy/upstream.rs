@@ -874,6 +874,15 @@ fn refused(code: Option<Code>, why: &'static str) -> UpstreamError {
     }
 }
 
+/// The status code of a final answer an HTTP/1.x head in `buf` begins
+/// with, if it does: an interim (1xx) answer's says nothing of whether the
+/// backend acts on the request (it may yet refuse it), so a head of one
+/// that breaks off or is refused is settled as no answer is, by
+/// `on_upstream_failure`, as one that came whole and was then cut off is.
+fn final_status(buf: &[u8]) -> Option<Code> {
+    status_line(buf).filter(|code| !code.is_informational())
+}
+
 /// The status code an HTTP/1.x head in `buf` begins with, if it does.
 fn status_line(buf: &[u8]) -> Option<Code> {
     let rest = buf.strip_prefix(b"HTTP/1.")?;
@@ -904,7 +913,7 @@ async fn read_head(
             match config.parse_response_with_uninit_headers(&mut parsed, &conn.buf, &mut slots) {
                 // As when it comes in pieces (below).
                 Ok(httparse::Status::Complete(length)) if length > MAX_HEAD => {
-                    return Err(refused(status_line(&conn.buf), "the response head is too large"));
+                    return Err(refused(final_status(&conn.buf), "the response head is too large"));
                 }
                 Ok(httparse::Status::Complete(length)) => {
                     let code = parsed.code.unwrap_or(0);
@@ -974,15 +983,15 @@ async fn read_head(
                     return Ok((response, framing, keep_alive));
                 }
                 Ok(httparse::Status::Partial) => {}
-                Err(_) => return Err(refused(status_line(&conn.buf), "the response head does not parse")),
+                Err(_) => return Err(refused(final_status(&conn.buf), "the response head does not parse")),
             }
         }
         // Not whole (it would have been parsed as its last line ended).
         if conn.buf.len() > MAX_HEAD {
-            return Err(refused(status_line(&conn.buf), "the response head is too large"));
+            return Err(refused(final_status(&conn.buf), "the response head is too large"));
         }
         if let Some(begun) = begun
-            && let Some(code) = status_line(&conn.buf).filter(|code| !code.is_informational())
+            && let Some(code) = final_status(&conn.buf)
         {
             begun.note(code);
         }
@@ -1002,7 +1011,7 @@ async fn read_head(
 /// the head's status when it began with one (the backend had the request:
 /// see [`UpstreamError::Refused`]), else a failure no answer explains.
 fn broke_off(buf: &[u8], error: io::Error) -> UpstreamError {
-    match status_line(buf) {
+    match final_status(buf) {
         Some(code) => UpstreamError::Refused(code, "the answer broke off within its head"),
         None => UpstreamError::Io(error),
     }
