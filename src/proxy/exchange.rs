@@ -285,11 +285,10 @@ impl ClaimGuard {
                     outcome,
                     ttl,
                 );
-                let metrics = self.context.metrics.clone();
-                metrics.claim_taken();
+                let held = self.context.metrics.claim_held();
                 self.context.exchanges.spawn(async move {
                     retry.await;
-                    metrics.claim_ended();
+                    drop(held);
                 });
             }
         }
@@ -1063,6 +1062,13 @@ mod tests {
     /// Two routes, "release" and "unknown" after `on_upstream_failure`, and
     /// an exchange's context on a memory store.
     fn routes_and_context() -> (crate::config::Config, StoreHandle, Arc<Context>) {
+        let store = StoreHandle::memory(MemoryStore::new(1 << 20), Duration::from_secs(1));
+        let (config, context) = routes_and_context_on(store.clone());
+        (config, store, context)
+    }
+
+    /// [`routes_and_context`] on `store`.
+    fn routes_and_context_on(store: StoreHandle) -> (crate::config::Config, Arc<Context>) {
         let config = crate::config::Config::parse(
             "[upstream]\nurl = \"http://127.0.0.1:9\"\n\
              [[route]]\nname = \"release\"\npath = \"/a\"\n\
@@ -1070,15 +1076,37 @@ mod tests {
             "test.toml",
         )
         .unwrap();
-        let store = StoreHandle::memory(MemoryStore::new(1 << 20), Duration::from_secs(1));
         let context = Arc::new(Context {
-            store: store.clone(),
+            store,
             client: super::super::upstream::client(&config.upstream).unwrap(),
             metrics: Arc::default(),
             exchanges: TaskTracker::new(),
             sent: SentClaims::default(),
         });
-        (config, store, context)
+        (config, context)
+    }
+
+    /// A completion retried in the background counts its claim as held
+    /// until the retry ends, however it ends: here at a panic of the
+    /// store's renewal, the retry's first call.
+    #[tokio::test]
+    async fn a_completion_retry_that_panics_counts_its_claim_ended() {
+        let faulty = Arc::new(crate::store::faulty::Faulty {
+            failing_completes: 1.into(),
+            renewals_panic: true,
+            ..crate::store::faulty::Faulty::new()
+        });
+        let store = StoreHandle::new(faulty, Duration::from_secs(1));
+        let (_, context) = routes_and_context_on(store.clone());
+        let (key, fingerprint, owner, answer) = landed_parts();
+        let lease = Duration::from_secs(30);
+        store.claim(&key, &fingerprint, owner, lease, None).await.unwrap();
+        let guard = ClaimGuard::new(context.clone(), key, fingerprint, owner, lease, Instant::now());
+        guard.complete(answer, Duration::from_secs(60)).await;
+        assert_eq!(context.metrics.claims_in_flight(), 1, "held by the retry");
+        context.exchanges.close();
+        context.exchanges.wait().await;
+        assert_eq!(context.metrics.claims_in_flight(), 0);
     }
 
     /// A guard dropped unsettled (its exchange panicked) releases the claim

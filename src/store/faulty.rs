@@ -23,6 +23,10 @@ pub(crate) struct Faulty {
     /// Whether a claim, once it has taken the key and yielded once,
     /// panics (a bug in a store's code).
     pub claims_panic: bool,
+    /// Completions that fail (unanswered) before one goes through.
+    pub failing_completes: AtomicUsize,
+    /// Whether a renewal panics.
+    pub renewals_panic: bool,
 }
 
 impl Faulty {
@@ -33,6 +37,8 @@ impl Faulty {
             failing_confirms: AtomicUsize::new(0),
             purging_confirms: AtomicUsize::new(0),
             claims_panic: false,
+            failing_completes: AtomicUsize::new(0),
+            renewals_panic: false,
         }
     }
 }
@@ -62,12 +68,14 @@ impl Store for Faulty {
         outcome: Outcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
+        fails(&self.failing_completes, "connection reset")?;
         self.store.complete(key, fingerprint, owner, outcome, ttl).await
     }
     async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
         self.store.release(key, owner).await
     }
     async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {
+        assert!(!self.renewals_panic, "a store's renewal panicked");
         self.store.renew(key, owner, lease).await
     }
     async fn wait(&self, key: &RecordKey, timeout: Duration) -> Result<(), StoreError> {

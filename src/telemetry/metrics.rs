@@ -253,6 +253,13 @@ impl Metrics {
         self.in_flight.local().fetch_sub(1, Ordering::Relaxed);
     }
 
+    /// Counts a claim as held until what this returns is dropped, however
+    /// the task that holds it ends (a panic, an abort).
+    pub fn claim_held(self: &Arc<Self>) -> HeldClaim {
+        self.claim_taken();
+        HeldClaim(self.clone())
+    }
+
     /// Claims held by this process.
     pub fn claims_in_flight(&self) -> i64 {
         self.in_flight.sum(|claims| claims.load(Ordering::Relaxed))
@@ -306,6 +313,15 @@ impl Metrics {
             );
         }
         out
+    }
+}
+
+/// A claim counted as held ([`Metrics::claim_held`]) until dropped.
+pub struct HeldClaim(Arc<Metrics>);
+
+impl Drop for HeldClaim {
+    fn drop(&mut self) {
+        self.0.claim_ended();
     }
 }
 
