@@ -98,6 +98,24 @@ fn the_example_parses_and_mentions_every_option() {
     }
 }
 
+/// A config printed for debugging shows no secret: the admin token only
+/// as there being one, a Redis URL's password masked.
+#[test]
+fn a_config_printed_for_debugging_shows_no_secret() {
+    let config = Config::parse(
+        "[server]\nadmin_token = \"tok-s3cret\"\n\
+         [upstream]\nurl = \"http://127.0.0.1:9\"\n\
+         [store]\nbackend = \"redis\"\nurl = \"redis://user:pa55word@127.0.0.1:6379/0\"\n\
+         [[route]]\nname = \"a\"\npath = \"/a\"\n",
+        "x.toml",
+    )
+    .unwrap();
+    let printed = format!("{config:?}");
+    assert!(printed.contains("admin_token: Some(\"<redacted>\")"), "{printed}");
+    assert!(!printed.contains("tok-s3cret"), "{printed}");
+    assert!(!printed.contains("pa55word"), "{printed}");
+}
+
 #[test]
 fn routes_override_defaults_field_by_field() {
     let config = Config::parse(

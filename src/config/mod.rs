@@ -30,7 +30,7 @@ pub struct Config {
     pub routes: Vec<Route>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
     /// `None` when `admin_listen = ""`.
@@ -44,6 +44,33 @@ pub struct ServerConfig {
     /// Accept loops, each a single-threaded runtime on a thread of its own
     /// sharing the port (SO_REUSEPORT). Default: one per core.
     pub workers: usize,
+}
+
+/// The admin token shown as whether there is one, so a config printed for
+/// debugging shows no secret (as the Redis URLs' passwords are masked).
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ServerConfig {
+            listen,
+            admin_listen,
+            admin_token,
+            tls,
+            max_request_body,
+            header_read_timeout,
+            shutdown_grace,
+            workers,
+        } = self;
+        f.debug_struct("ServerConfig")
+            .field("listen", listen)
+            .field("admin_listen", admin_listen)
+            .field("admin_token", &admin_token.as_ref().map(|_| "<redacted>"))
+            .field("tls", tls)
+            .field("max_request_body", max_request_body)
+            .field("header_read_timeout", header_read_timeout)
+            .field("shutdown_grace", shutdown_grace)
+            .field("workers", workers)
+            .finish()
+    }
 }
 
 #[derive(Debug, Clone)]
