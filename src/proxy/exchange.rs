@@ -467,7 +467,8 @@ async fn lost(
             found = look(store, key, outcome).await;
         }
         let found = match found {
-            Ok(found) => found,
+            Ok(Some(found)) => found,
+            Ok(None) => return written_again(store, key, fingerprint, owner, outcome, ttl).await,
             Err(error) => {
                 tracing::warn!(
                     key = %key.tag(),
@@ -477,41 +478,15 @@ async fn lost(
                 return false;
             }
         };
-        if found.is_none() {
-            // As the look, tried again while the store fails: in a
-            // failover it may still be settling.
-            let write = || store.complete(key, fingerprint, owner, outcome.clone(), ttl);
-            let written = asked_again(write, Result::is_ok).await;
-            const GONE: &str = "the claim was gone, and so was any record (another request's claim released, \
-                                a purge, or a store that lost it, as in a failover)";
-            match written {
-                Ok(true) => {
-                    tracing::warn!(key = %key.tag(), "{GONE}: written again with this answer");
-                    return true;
-                }
-                Ok(false) => {}
-                Err(error) => {
-                    tracing::warn!(
-                        key = %key.tag(),
-                        error = %error_chain(&error),
-                        "{GONE}: writing it again with this answer failed"
-                    );
-                    return false;
-                }
-            }
-        }
         let left = match found {
-            Some((
+            (
                 Record::Completed {
                     fingerprint: found,
                     outcome: kept,
                 },
                 left,
-            )) if found == *fingerprint && kept == *outcome => left,
-            _ => {
-                tracing::warn!(key = %key.tag(), "lease lost to another request: this answer was not recorded");
-                return false;
-            }
+            ) if found == *fingerprint && kept == *outcome => left,
+            _ => return lease_lost(key),
         };
         match confirmed(store, key, fingerprint, left).await {
             Confirmed::Kept => {
@@ -527,6 +502,44 @@ async fn lost(
         }
     }
     tracing::warn!(key = %key.tag(), "the record holding this answer kept going before it was confirmed kept");
+    false
+}
+
+/// [`lost`] on a key that holds nothing: the answer the client got is
+/// written again (asked again while the store fails: in a failover it may
+/// still be settling); whether it was.
+async fn written_again(
+    store: &StoreHandle,
+    key: &RecordKey,
+    fingerprint: &Fingerprint,
+    owner: Owner,
+    outcome: &Outcome,
+    ttl: Duration,
+) -> bool {
+    let write = || store.complete(key, fingerprint, owner, outcome.clone(), ttl);
+    const GONE: &str = "the claim was gone, and so was any record (another request's claim released, a purge, \
+                        or a store that lost it, as in a failover)";
+    match asked_again(write, Result::is_ok).await {
+        Ok(true) => {
+            tracing::warn!(key = %key.tag(), "{GONE}: written again with this answer");
+            true
+        }
+        // Another request claimed the key meanwhile.
+        Ok(false) => lease_lost(key),
+        Err(error) => {
+            tracing::warn!(
+                key = %key.tag(),
+                error = %error_chain(&error),
+                "{GONE}: writing it again with this answer failed"
+            );
+            false
+        }
+    }
+}
+
+/// Says the key is another request's now; false.
+fn lease_lost(key: &RecordKey) -> bool {
+    tracing::warn!(key = %key.tag(), "lease lost to another request: this answer was not recorded");
     false
 }
 

@@ -90,7 +90,7 @@ impl Store for Faulty {
     }
     async fn confirm(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Result<bool, StoreError> {
         fails(&self.failing_confirms, "not copied to enough replicas")?;
-        if fails(&self.purging_confirms, "").is_err() {
+        if take_one(&self.purging_confirms) {
             self.store.purge(key).await?;
             return Ok(false);
         }
@@ -103,8 +103,13 @@ impl Store for Faulty {
 
 /// Fails with `why` while `failing` counts down.
 fn fails(failing: &AtomicUsize, why: &str) -> Result<(), StoreError> {
-    match failing.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1)) {
-        Ok(_) => Err(StoreError::Unavailable(std::io::Error::other(why).into())),
-        Err(_) => Ok(()),
+    match take_one(failing) {
+        true => Err(StoreError::Unavailable(std::io::Error::other(why).into())),
+        false => Ok(()),
     }
+}
+
+/// Takes one off `left` unless it is 0; whether it did.
+fn take_one(left: &AtomicUsize) -> bool {
+    left.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1)).is_ok()
 }
