@@ -38,10 +38,15 @@
 //! store taking writes (fail-stop, as databases do): after it the kernel
 //! may have dropped the data, and redb refuses its file until it is opened
 //! again. Every acknowledged record is in the log, so a restart recovers
-//! them all; meanwhile [`Store::ping`] fails, so `/readyz` says so.
+//! them all; meanwhile [`Store::ping`] fails, so `/readyz` says so. A log
+//! that cannot move to a new segment (nothing is checkpointed then) stops
+//! the store taking new claims once it is half the overlay's limit past
+//! its segment, and writes once it reaches the limit.
 //!
 //! Replays of completed records are read from the overlay or a read
-//! transaction without going through the writer; a read of the file runs
+//! transaction without going through the writer (but for one that
+//! restarts a TTL not restarted lately, see [`refreshed_lately`]); a read
+//! of the file runs
 //! on tokio's blocking pool (at most [`FILE_READS`] at once), so a slow
 //! disk stalls no runtime worker. Leases and TTLs are wall-clock deadlines
 //! in the record, so a claim of a crashed process runs
