@@ -14,10 +14,7 @@ pub fn redis_store(url: &str) -> idemgate::store::StoreHandle {
 
 /// [`redis_store`] with calls and deadline of `timeout`.
 pub fn redis_store_within(url: &str, timeout: Duration) -> idemgate::store::StoreHandle {
-    idemgate::store::StoreHandle::new(
-        std::sync::Arc::new(idemgate::store::RedisStore::single(url, "idemgate", timeout).unwrap()),
-        timeout,
-    )
+    copied_store_within(url, 0, timeout)
 }
 
 /// [`redis_store_within`], whose writes count once `replicas` replicas
