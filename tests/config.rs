@@ -575,12 +575,14 @@ fn store_paths_and_urls_are_checked_before_anything_is_bound() {
 /// scheme or wildcard (it would match nothing, and every request would
 /// pass through unprotected), pointers to ignore in a body fingerprinted
 /// raw (nothing left out), a duration past what a clock can add.
+/// A config of one route, `/a`, with `extra` lines of its own.
+fn route(extra: &str) -> Result<Config, String> {
+    let toml = format!("[upstream]\nurl = \"http://h:1\"\n[[route]]\nname = \"a\"\npath = \"/a\"\n{extra}\n");
+    Config::parse(&toml, "x.toml").map_err(|e| e.to_string())
+}
+
 #[test]
 fn settings_that_could_never_work_are_refused_by_field() {
-    let route = |extra: &str| {
-        let toml = format!("[upstream]\nurl = \"http://h:1\"\n[[route]]\nname = \"a\"\npath = \"/a\"\n{extra}\n");
-        Config::parse(&toml, "x.toml").map_err(|e| e.to_string())
-    };
     for host in [
         "api.example.com:8443",
         "https://api.example.com",
@@ -618,7 +620,14 @@ fn settings_that_could_never_work_are_refused_by_field() {
         ("forward_key_header", "Authorization"),
         ("forward_key_header", "proxy-authorization"),
         ("forward_key_header", "Cookie"),
+        // What the backend reads the body by, which the key would replace.
+        ("forward_key_header", "content-type"),
+        ("forward_key_header", "Content-Encoding"),
+        ("forward_key_header", "content-md5"),
         ("key.header", "expect"),
+        // Shared by every request of one type.
+        ("key.header", "Content-Type"),
+        ("key.header", "content-encoding"),
         ("key.header", "Content-Length"),
         ("key.header", "connection"),
         ("key.header", "upgrade"),
@@ -647,6 +656,7 @@ fn settings_that_could_never_work_are_refused_by_field() {
         "forward_key_header = \"X-Request-Key\"",
         "forward_key_header = \"\"",
         "key = { header = \"X-Forwarded-For\" }",
+        "key = { header = \"Content-MD5\" }",
     ] {
         route(ok).unwrap();
     }
@@ -706,6 +716,64 @@ fn settings_that_could_never_work_are_refused_by_field() {
     let dir = std::env::temp_dir();
     let error = store(&format!("path = \"{}\"", dir.display())).unwrap_err();
     assert!(error.contains("store.path") && error.contains("directory"), "{error}");
+}
+
+/// A derived key or a fingerprint that reads a header of the connection
+/// (which each hop may change) or a field the fingerprint leaves out as
+/// volatile would tell a retry from its first try.
+#[test]
+fn keys_and_fingerprints_read_no_per_hop_header_and_no_volatile_field() {
+    for (line, field, named) in [
+        (
+            "fingerprint = { headers = [\"content-type\", \"Connection\"] }",
+            "fingerprint.headers",
+            "Connection",
+        ),
+        ("key = { derive = [\"header:te\", \"body:/id\"] }", "key.derive", "te"),
+        ("key = { derive = [\"header:Upgrade\"] }", "key.derive", "Upgrade"),
+        // The whole body, and a part of it, holding an ignored field.
+        (
+            "key = { derive = [\"body:\"] }\nfingerprint = { body = \"json\", ignore = [\"/ts\"] }",
+            "key.derive",
+            "/ts",
+        ),
+        (
+            "key = { derive = [\"body:/event\"] }\nfingerprint = { body = \"json\", ignore = [\"/event/sent_at\"] }",
+            "key.derive",
+            "/event/sent_at",
+        ),
+        (
+            "key = { derive = [\"body:/id\", \"body:/ts\"] }\nfingerprint = { body = \"none\", ignore = [\"/ts\"] }",
+            "key.derive",
+            "/ts",
+        ),
+    ] {
+        let error = route(line).unwrap_err();
+        assert!(
+            error.contains(&format!("route[0].{field}")) && error.contains(&format!("`{named}`")),
+            "{line}: {error}"
+        );
+    }
+    for ok in [
+        "fingerprint = { headers = [\"content-type\", \"x-tenant\"] }",
+        "key = { derive = [\"header:x-tenant\", \"body:/id\"] }",
+        // The whole body where nothing is said to be volatile.
+        "key = { derive = [\"body:\"] }",
+        // A name that merely starts like an ignored one, and a field
+        // inside an ignored one (stable, in a part that is not).
+        "key = { derive = [\"body:/tsx\", \"body:/meta/id\"] }\nfingerprint = { body = \"json\", ignore = [\"/ts\", \"/meta\"] }",
+    ] {
+        route(ok).unwrap();
+    }
+    // From [defaults], judged on each route as it resolves them.
+    let inherited = "[upstream]\nurl = \"http://h:1\"\n[defaults.fingerprint]\nbody = \"json\"\nignore = [\"/ts\"]\n\
+        [[route]]\nname = \"a\"\npath = \"/a\"\nkey = { derive = [\"body:/id\"] }\n\
+        [[route]]\nname = \"b\"\npath = \"/b\"\nkey = { derive = [\"body:\"] }\n";
+    let error = Config::parse(inherited, "x.toml").unwrap_err().to_string();
+    assert!(
+        error.contains("route[1].key.derive") && !error.contains("route[0]"),
+        "{error}"
+    );
 }
 
 #[test]

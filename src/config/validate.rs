@@ -146,13 +146,30 @@ fn header_name(s: &str) -> Result<HeaderName, String> {
     HeaderName::from_bytes(s.trim().as_bytes()).map_err(|_| format!("`{s}` is not a valid header name"))
 }
 
+/// A header a key is derived from (`key.derive`'s `header:`) or a
+/// fingerprint reads (`fingerprint.headers`): not one of the connection,
+/// which each hop may change, so a retry relayed another way (`TE`,
+/// `Connection: close`) would get another key, or a 422.
+fn request_header_name(s: &str) -> Result<HeaderName, String> {
+    let name = header_name(s)?;
+    if crate::wire::is_hop_by_hop(&name) {
+        return Err(format!(
+            "`{s}` is a header of the connection, which each hop may change: a retry relayed another way \
+             would not match; name a header of the request"
+        ));
+    }
+    Ok(name)
+}
+
 /// A header the key is read from (`key.header`) or forwarded under
 /// (`forward_key_header`, `forwarded`): not one of the connection or of
 /// the body's framing (hop-by-hop, `Content-Length`, `Host`), which would
 /// read the key from them or put it in their place, nor `Expect`, the
-/// listener's own; nor, to forward under, `Forwarded` or an
-/// `X-Forwarded-*`, a proxy's word to the upstream, which the client's
-/// key would then set (its address, say).
+/// listener's own, nor one that describes the body (forwarded under:
+/// any `Content-*`; read from: its type, coding or language); nor, to
+/// forward under, `Forwarded` or an `X-Forwarded-*`, a proxy's word to
+/// the upstream, which the client's key would then set (its address,
+/// say).
 fn key_header_name(s: &str, forwarded: bool) -> Result<HeaderName, String> {
     let name = header_name(s)?;
     if crate::wire::is_hop_by_hop(&name) || name == http::header::CONTENT_LENGTH || name == http::header::HOST {
@@ -183,6 +200,29 @@ fn key_header_name(s: &str, forwarded: bool) -> Result<HeaderName, String> {
         return Err(format!(
             "`{s}` carries the client's credentials: the client's key would replace them on the way to the \
              upstream"
+        ));
+    }
+    // What the backend reads the body by: forwarded under one, the key
+    // would replace its type or coding; read from one, every request of
+    // a type would share one key.
+    let describes_body = if forwarded {
+        name.as_str().starts_with("content-")
+    } else {
+        [
+            http::header::CONTENT_TYPE,
+            http::header::CONTENT_ENCODING,
+            http::header::CONTENT_LANGUAGE,
+        ]
+        .contains(&name)
+    };
+    if describes_body {
+        return Err(format!(
+            "`{s}` describes the request's body: {}",
+            if forwarded {
+                "the client's key would replace it on the way to the upstream"
+            } else {
+                "every request of one type would share its key"
+            }
         ));
     }
     // The listener's own (it answers `100-continue` itself): forwarded,
@@ -266,7 +306,7 @@ fn derive_field(s: &str) -> Result<DeriveField, String> {
         "body" => Err(format!(
             "`{s}`: a body field is a JSON pointer starting with `/`, e.g. body:/order/id"
         )),
-        "header" => header_name(rest).map(DeriveField::Header),
+        "header" => request_header_name(rest).map(DeriveField::Header),
         "path" if !rest.is_empty() => Ok(DeriveField::Path(rest.to_string())),
         "query" if !rest.is_empty() => Ok(DeriveField::Query(rest.to_string())),
         _ => Err(format!(
@@ -363,10 +403,11 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
     };
     let fp = &raw.fingerprint;
     let fingerprint = FingerprintPolicy {
-        headers: c.headers(
+        headers: c.field(
             &format!("{at}.fingerprint.headers"),
             fp.headers.as_ref(),
-            &base.fingerprint.headers,
+            base.fingerprint.headers.clone(),
+            |names| names.iter().map(|n| request_header_name(n)).collect(),
         ),
         body: c.choice(
             &format!("{at}.fingerprint.body"),
@@ -733,6 +774,25 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
                 c.problem(
                     &format!("{at}.key.derive"),
                     format!("`path:{param}`: the route path `{path}` has no parameter `{{{param}}}`"),
+                );
+            }
+            // A field that holds one the fingerprint leaves out as
+            // volatile: a retry that changed it would get another key and
+            // run again (`body:`, the whole body, holds every one).
+            if let DeriveField::Body(pointer) = field
+                && let Some(ignored) = policy.fingerprint.ignore.iter().find(|ignored| {
+                    ignored
+                        .strip_prefix(pointer.as_str())
+                        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+                })
+            {
+                c.problem(
+                    &format!("{at}.key.derive"),
+                    format!(
+                        "`{field}` holds `{ignored}`, which fingerprint.ignore leaves out as volatile: a retry \
+                         that changed it would get another key and run again; derive the key from the fields \
+                         that identify the request"
+                    ),
                 );
             }
         }
