@@ -318,7 +318,13 @@ impl Gateway {
             Routed::Idempotent(live, params) => Either::Left(self.idempotent(live, params, request, peer)),
             Routed::PassThrough(upstream) => {
                 self.passthrough.count(Outcome::Passthrough);
-                Either::Right(Either::Left(self.forward(request, upstream, OnStale::Resend, peer)))
+                Either::Right(Either::Left(self.forward(
+                    request,
+                    upstream,
+                    OnStale::Resend,
+                    peer,
+                    None,
+                )))
             }
             Routed::Refused(why) => {
                 self.passthrough.count(Outcome::BadRequest);
@@ -485,7 +491,7 @@ impl Gateway {
     ) -> Response<ResponseBody> {
         let policy = &live.route.policy;
         let upstream = &live.upstream;
-        let (mut parts, body) = request.into_parts();
+        let (parts, body) = request.into_parts();
         if let Some(span) = telemetry::request_span() {
             span.record("route", live.route.name.as_str());
         }
@@ -508,7 +514,7 @@ impl Gateway {
             }
             live.counters.count(Outcome::Passthrough);
             let request = Request::from_parts(parts, body);
-            return Box::pin(self.forward(request, upstream, OnStale::Fail, peer)).await;
+            return Box::pin(self.forward(request, upstream, OnStale::Fail, peer, None)).await;
         }
 
         // 3. The body, buffered.
@@ -597,9 +603,9 @@ impl Gateway {
                     }
                     Stored::Response(_) => {
                         shadowed(live, Outcome::ShadowReplayed, Some(&record_key));
-                        let mut request = Request::from_parts(parts, ClientBody::whole(body));
-                        forward_key(policy, request.headers_mut(), &key);
-                        return Box::pin(self.forward(request, upstream, OnStale::Fail, peer)).await;
+                        let request = Request::from_parts(parts, ClientBody::whole(body));
+                        let key = Some((policy, key.as_str()));
+                        return Box::pin(self.forward(request, upstream, OnStale::Fail, peer, key)).await;
                     }
                     Stored::NotReplayable => Problem::ResponseNotReplayable,
                     Stored::Unknown => Problem::OutcomeUnknown,
@@ -648,12 +654,11 @@ impl Gateway {
             };
             // Should it be forwarded all the same (shadow mode, or a store
             // down with on_error = "pass"), the key goes as a claimed one's.
-            forward_key(policy, &mut parts.headers, &key);
             return self
                 .refuse(
                     live,
                     problem,
-                    Some(&record_key),
+                    Some((&record_key, &key)),
                     parts,
                     Some(RequestBody::Buffered(body)),
                     peer,
@@ -686,12 +691,13 @@ impl Gateway {
     /// Answers `problem`, or in shadow mode counts and logs it and forwards
     /// anyway. A store that is down with `on_error = "pass"` forwards too. A
     /// `body` of `None` was partly read already, so it is never forwarded.
-    /// `record_key`, once known, names the record in the log.
+    /// `keys`, once known: the record key, which names the record in the
+    /// log, and the key, which goes upstream as a claimed request's does.
     async fn refuse(
         &self,
         live: &LiveRoute,
         problem: Problem,
-        record_key: Option<&crate::store::RecordKey>,
+        keys: Option<(&crate::store::RecordKey, &str)>,
         parts: Parts,
         body: Option<RequestBody>,
         peer: Peer,
@@ -703,10 +709,11 @@ impl Gateway {
             if pass {
                 live.counters.count(outcome);
             } else {
-                shadowed(live, outcome.shadowed(), record_key);
+                shadowed(live, outcome.shadowed(), keys.map(|(record_key, _)| record_key));
             }
             let request = Request::from_parts(parts, body.into());
-            return Box::pin(self.forward(request, upstream, OnStale::Fail, peer)).await;
+            let key = keys.map(|(_, key)| (&live.route.policy, key));
+            return Box::pin(self.forward(request, upstream, OnStale::Fail, peer, key)).await;
         }
         live.counters.count(outcome);
         problem.response()
@@ -767,15 +774,21 @@ impl Gateway {
     /// A request a route takes (its method one the route makes idempotent)
     /// goes with `OnStale::Fail`: the operator has said it is not safe to
     /// send twice, so it is not resent on a new connection when a pooled
-    /// one drops it after it went.
+    /// one drops it after it went. A `key` read already goes as a claimed
+    /// request's does: set after the headers `Connection` names are
+    /// dropped, which could name the key's own.
     async fn forward(
         &self,
         mut request: Request<ClientBody>,
         upstream: &Uri,
         on_stale: OnStale,
         peer: Peer,
+        key: Option<(&Policy, &str)>,
     ) -> Response<ResponseBody> {
         forward::prepare(&mut request, upstream, peer);
+        if let Some((policy, key)) = key {
+            forward_key(policy, request.headers_mut(), key);
+        }
         let started = Instant::now();
         let deadline = started + self.config.upstream.timeout;
         // The upstream's time: waits on a slow client's upload move the
