@@ -304,7 +304,8 @@ impl ClaimGuard {
             return;
         }
         if let Err(error) = self.context.store.release(&self.key, self.owner).await {
-            tracing::warn!(key = %self.key.tag(), error = %error_chain(&error), "releasing the claim failed; its lease will run out");
+            telemetry::warn_throttled!(error, "releasing the claim failed; asking again", key = %self.key.tag());
+            self.context.store.release_in_background(self.key, self.owner);
         }
     }
 }
@@ -1120,6 +1121,58 @@ mod tests {
         context.exchanges.close();
         context.exchanges.wait().await;
         assert_eq!(context.metrics.claims_in_flight(), 0);
+    }
+
+    /// A release the store fails (a dropped connection) is asked again,
+    /// so the key is free well before the lease would end; and a release
+    /// that fails every time leaves the claim to its lease.
+    #[tokio::test]
+    async fn a_release_the_store_fails_is_asked_again() {
+        let faulty = Arc::new(crate::store::faulty::Faulty {
+            failing_releases: 3.into(),
+            ..crate::store::faulty::Faulty::new()
+        });
+        let store = StoreHandle::new(faulty.clone(), Duration::from_secs(1));
+        let (_, context) = routes_and_context_on(store.clone());
+        let (fingerprint, lease) = (Fingerprint([2; 32]), Duration::from_secs(30));
+        let released = |key: RecordKey| {
+            let store = store.clone();
+            async move {
+                let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                loop {
+                    match store.inspect(&key).await.unwrap() {
+                        None => return true,
+                        Some(_) if std::time::Instant::now() > deadline => return false,
+                        Some(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                    }
+                }
+            }
+        };
+        let (key, owner) = (RecordKey([3; 32]), Owner(3));
+        store.claim(&key, &fingerprint, owner, lease, None).await.unwrap();
+        ClaimGuard::new(context.clone(), key, fingerprint, owner, lease, Instant::now())
+            .release()
+            .await;
+        assert!(released(key).await, "the release was not asked again");
+        assert_eq!(faulty.failing_releases.load(std::sync::atomic::Ordering::Relaxed), 0);
+
+        let (key, owner) = (RecordKey([4; 32]), Owner(4));
+        store.claim(&key, &fingerprint, owner, lease, None).await.unwrap();
+        faulty.failing_releases.store(100, std::sync::atomic::Ordering::Relaxed);
+        ClaimGuard::new(context.clone(), key, fingerprint, owner, lease, Instant::now())
+            .release()
+            .await;
+        // Asked once, then as many times as the retry asks, and no more.
+        let failing = || faulty.failing_releases.load(std::sync::atomic::Ordering::Relaxed);
+        let asked_last = 100 - 1 - crate::store::RELEASE_TRIES as usize;
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while failing() > asked_last && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(failing(), asked_last);
+        let found = store.inspect(&key).await.unwrap().map(|(record, _)| record);
+        assert!(matches!(found, Some(Record::InFlight { .. })), "{found:?}");
     }
 
     /// A guard dropped unsettled (its exchange panicked) releases the claim

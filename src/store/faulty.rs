@@ -27,6 +27,8 @@ pub(crate) struct Faulty {
     pub failing_completes: AtomicUsize,
     /// Whether a renewal panics.
     pub renewals_panic: bool,
+    /// Releases that fail (unanswered) before one goes through.
+    pub failing_releases: AtomicUsize,
 }
 
 impl Faulty {
@@ -39,6 +41,7 @@ impl Faulty {
             claims_panic: false,
             failing_completes: AtomicUsize::new(0),
             renewals_panic: false,
+            failing_releases: AtomicUsize::new(0),
         }
     }
 }
@@ -72,6 +75,7 @@ impl Store for Faulty {
         self.store.complete(key, fingerprint, owner, outcome, ttl).await
     }
     async fn release(&self, key: &RecordKey, owner: Owner) -> Result<bool, StoreError> {
+        fails(&self.failing_releases, "connection reset")?;
         self.store.release(key, owner).await
     }
     async fn renew(&self, key: &RecordKey, owner: Owner, lease: Duration) -> Result<bool, StoreError> {

@@ -547,6 +547,11 @@ impl Drop for Pending<'_> {
     }
 }
 
+/// How many times [`StoreHandle::release_abandoned`] asks a failing store,
+/// and its first pause between two (doubled each time: 3.1 s in all).
+pub(crate) const RELEASE_TRIES: u32 = 6;
+const RELEASE_PAUSE: Duration = Duration::from_millis(100);
+
 /// The store as the proxy uses it: a backend plus a deadline on every call.
 #[derive(Clone)]
 pub struct StoreHandle {
@@ -769,11 +774,26 @@ impl StoreHandle {
         runtime.spawn(async move { store.release_abandoned(key, owner).await });
     }
 
-    /// Releases a claim nobody will settle, warning (by the key's tag) if
-    /// the store fails to: its lease then ends it.
+    /// Releases a claim nobody will settle, asked again while the store
+    /// fails (a dropped connection, a failover): held, the key would
+    /// answer every retry 409 until its lease ran out. The release is
+    /// owner-checked, so one that ran before its answer was lost, or
+    /// reaches the key after another request claimed it, changes nothing.
+    /// Warns (by the key's tag) if the store fails every time: the lease
+    /// then ends the claim.
     async fn release_abandoned(&self, key: RecordKey, owner: Owner) {
-        if let Err(error) = self.release(&key, owner).await {
-            crate::telemetry::warn_throttled!(error, "releasing an abandoned claim failed", key = %key.tag());
+        let mut pause = RELEASE_PAUSE;
+        for tries_left in (0..RELEASE_TRIES).rev() {
+            match self.release(&key, owner).await {
+                Ok(_) => return,
+                Err(error) if tries_left == 0 => {
+                    crate::telemetry::warn_throttled!(error, "releasing a claim failed; its lease will run out", key = %key.tag());
+                }
+                Err(_) => {
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+            }
         }
     }
 
