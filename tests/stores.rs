@@ -913,6 +913,86 @@ async fn an_unreachable_redis_is_tried_a_few_times_a_second_not_once_a_claim() {
     assert!(claims >= 50, "{claims}");
 }
 
+/// A claim written to a Redis Cluster node whose answer is lost with the
+/// connection, and whose resend then cannot connect, may have been taken:
+/// it fails as a store that failed, not as one never sent, so it is
+/// released (and asked again until the node is back) rather than left to
+/// hold the key for its whole lease.
+#[tokio::test]
+async fn a_cluster_claim_whose_answer_was_lost_is_released_once_the_node_is_back() {
+    use idemgate::store::{Fingerprint, Owner, RecordKey, StoreError};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let node = RedisServer::start_one_shard_cluster();
+    // A relay in front of the node, which the node names as its address:
+    // once `armed`, it passes a claim (`SET`) on, then drops the
+    // connection before the answer, and turns new connections away
+    // (accepted, then closed) while `open` is false.
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_port = relay.local_addr().unwrap().port();
+    node.cli(&["config", "set", "cluster-announce-port", &relay_port.to_string()])
+        .unwrap();
+    let (armed, open) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(true)));
+    let (node_port, cut, open_too) = (node.port, armed.clone(), open.clone());
+    tokio::spawn(async move {
+        loop {
+            let (client, _) = relay.accept().await.unwrap();
+            if !open_too.load(Ordering::SeqCst) {
+                continue;
+            }
+            let server = tokio::net::TcpStream::connect(("127.0.0.1", node_port)).await.unwrap();
+            let (cut, open) = (cut.clone(), open_too.clone());
+            tokio::spawn(async move {
+                let (mut from_client, mut to_client) = client.into_split();
+                let (mut from_server, mut to_server) = server.into_split();
+                let mut answers = tokio::spawn(async move { tokio::io::copy(&mut from_server, &mut to_client).await });
+                let mut buf = vec![0u8; 64 << 10];
+                loop {
+                    let n = from_client.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        break;
+                    }
+                    if buf[..n].windows(5).any(|w| w == b"\r\nSET") && cut.swap(false, Ordering::SeqCst) {
+                        open.store(false, Ordering::SeqCst);
+                        // No answer goes back from here on; the node runs it.
+                        answers.abort();
+                        let _ = (&mut answers).await;
+                        to_server.write_all(&buf[..n]).await.unwrap();
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        break;
+                    }
+                    to_server.write_all(&buf[..n]).await.unwrap();
+                }
+                answers.abort();
+            });
+        }
+    });
+    let store = cluster_store_within(&[format!("redis://127.0.0.1:{relay_port}")], Duration::from_secs(1));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.ping().await.is_err() {
+        assert!(Instant::now() < deadline, "the cluster did not answer");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let (key, fingerprint) = (RecordKey([7; 32]), Fingerprint([1; 32]));
+    armed.store(true, Ordering::SeqCst);
+    let claim = store
+        .claim(&key, &fingerprint, Owner::new(), Duration::from_secs(30), None)
+        .await;
+    assert!(matches!(claim, Err(StoreError::Unavailable(_))), "{claim:?}");
+    assert!(!armed.load(Ordering::SeqCst), "the claim never reached the relay");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    open.store(true, Ordering::SeqCst);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match store.inspect(&key).await {
+            Ok(None) => break,
+            found => assert!(Instant::now() < deadline, "the claim was left to its lease: {found:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A Redis Cluster none of whose nodes can be reached backs off the same
 /// way: the first claim fails as not sent, naming the cause; the next, at
 /// once, by the back-off, without trying the nodes; one after the back-off

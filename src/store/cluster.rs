@@ -281,8 +281,25 @@ impl Cluster {
     /// may yet run.
     ///
     /// A command that `writes` nothing is not held for its node's replicas
-    /// ([`resp::Connection::query_as`]).
+    /// ([`resp::Connection::query_as`]). A try that was never written
+    /// after one that was (its connection dropped with the answer on the
+    /// way, and the next could not connect) fails as a command that may
+    /// have run, not as one never sent: a claim may have been taken, and
+    /// must be released.
     pub(super) async fn query<T: FromRedisValue>(&self, command: &Cmd, writes: bool) -> RedisResult<T> {
+        let mut written = false;
+        let result = self.tries(command, writes, &mut written).await;
+        result.map_err(|error| match written && error.kind() == redis::ErrorKind::Client {
+            true => resp::broken(format!(
+                "an earlier try was written and its answer lost, so it may have run; the last was not sent: {error}"
+            )),
+            false => error,
+        })
+    }
+
+    /// [`Cluster::query`]'s tries; `written` is set once one of them was
+    /// written to a node.
+    async fn tries<T: FromRedisValue>(&self, command: &Cmd, writes: bool, written: &mut bool) -> RedisResult<T> {
         let slot = key_of(command)
             .map(slot_of)
             .ok_or_else(|| resp::not_sent("a command to a Redis Cluster names no key".to_owned()))?;
@@ -317,6 +334,7 @@ impl Cluster {
             let Err(error) = &result else {
                 return result;
             };
+            *written |= error.kind() != redis::ErrorKind::Client;
             let method = error.retry_method();
             let ask = error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask);
             // Anything but an `ASK` (a slot migrating, as the map says) or

@@ -526,7 +526,9 @@ impl Drop for EndsWith {
     }
 }
 
-fn broken(detail: String) -> RedisError {
+/// The error of a command that was written, or may have been, and whose
+/// answer never came: it may have run.
+pub(super) fn broken(detail: String) -> RedisError {
     RedisError::from(io::Error::new(io::ErrorKind::ConnectionAborted, detail))
 }
 
