@@ -346,6 +346,9 @@ fn serve(path: &Path) -> anyhow::Result<()> {
     if let Some(first) = first {
         let _ = first.join();
     }
+    // Claims of requests a grace that ran out cut off, released as their
+    // workers' runtimes dropped them.
+    background.block_on(store.releases_at_exit());
     tracing::info!("stopped");
     Ok(())
 }

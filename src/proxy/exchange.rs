@@ -64,11 +64,21 @@ pub struct Exchange {
 /// The claims of requests that may have gone upstream on routes with
 /// `on_upstream_failure = "unknown"`, until settled: one set per worker,
 /// kept across reloads. A shutdown whose grace runs out records each as an
-/// unknown outcome ([`SentClaims::record_unknown`]); the exchanges are then
+/// unknown outcome ([`SentClaims::give_up`]); the exchanges are then
 /// dropped with their runtime, and a lease left to run out would let a
-/// retry run the request again.
+/// retry run the request again. Every other claim they hold is released
+/// as they are dropped, on the store's own runtime, which outlives the
+/// worker's ([`StoreHandle::release_at_exit`]).
 #[derive(Clone, Default)]
-pub struct SentClaims(Arc<std::sync::Mutex<HashMap<Owner, SentClaim>>>);
+pub struct SentClaims(Arc<SentState>);
+
+#[derive(Default)]
+struct SentState {
+    claims: std::sync::Mutex<HashMap<Owner, SentClaim>>,
+    /// Set once a shutdown's grace ran out: the worker's runtime, and every
+    /// claim its exchanges hold, are about to be dropped.
+    given_up: std::sync::atomic::AtomicBool,
+}
 
 /// A claim [`SentClaims`] holds, and the `ttl` of its unknown outcome.
 struct SentClaim {
@@ -88,13 +98,21 @@ impl SentClaims {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Owner, SentClaim>> {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.0.claims.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Records every claim here as an unknown outcome in `store` (the
-    /// one every gateway of the worker has had: it changes only with a
-    /// restart), each within its deadline; returns how many were recorded.
-    pub async fn record_unknown(&self, store: &StoreHandle) -> usize {
+    /// Whether a shutdown has given up on the worker's exchanges.
+    fn given_up(&self) -> bool {
+        self.0.given_up.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Gives up on the worker's exchanges, whose grace ran out: records
+    /// every claim here as an unknown outcome in `store` (the one every
+    /// gateway of the worker has had: it changes only with a restart),
+    /// each within its deadline, and returns how many were recorded; the
+    /// others are released as they are dropped.
+    pub async fn give_up(&self, store: &StoreHandle) -> usize {
+        self.0.given_up.store(true, std::sync::atomic::Ordering::Release);
         let claims: Vec<_> = self.lock().drain().collect();
         let recorded = claims.into_iter().map(|(owner, claim)| async move {
             let SentClaim { key, fingerprint, ttl } = claim;
@@ -320,6 +338,11 @@ impl Drop for ClaimGuard {
             renewal.abort();
         }
         let Some(ttl) = self.unknown_for else {
+            if self.context.sent.given_up() {
+                // Dropped with the worker's runtime, which would drop a
+                // release spawned on it unrun.
+                return self.context.store.release_at_exit(self.key, self.owner);
+            }
             return self.context.store.release_in_background(self.key, self.owner);
         };
         if !self.context.sent.remove(self.owner) {

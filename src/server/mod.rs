@@ -513,15 +513,16 @@ impl Server {
                 // Dropped with the runtime, requests that may have been sent
                 // on routes that keep such outcomes as unknown would leave
                 // their claims to their leases, and a retry would run them
-                // again: recorded as unknown first.
-                let unknown = sent.record_unknown(gateway.load().store()).await;
+                // again: recorded as unknown first. The others' claims are
+                // released as they are dropped.
+                let unknown = sent.give_up(gateway.load().store()).await;
                 tracing::warn!(
                     connections = connections.len(),
                     exchanges = exchanges.len(),
                     recorded_unknown = unknown,
-                    "shutdown grace ran out; requests still open keep their claims until their leases \
-                     end, those that may have been sent on routes with on_upstream_failure = \"unknown\" \
-                     are recorded as unknown"
+                    "shutdown grace ran out; requests still open are cut off and their claims released, \
+                     but those that may have been sent on routes with on_upstream_failure = \"unknown\", \
+                     which are recorded as unknown"
                 );
             }
         }

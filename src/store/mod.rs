@@ -561,6 +561,25 @@ pub struct StoreHandle {
     /// future and no deadline.
     memory: Option<Arc<MemoryStore>>,
     timeout: Duration,
+    at_exit: Arc<AtExit>,
+}
+
+/// Where releases made as a worker's runtime is dropped at shutdown run
+/// ([`StoreHandle::release_at_exit`]): on the runtime the handle was made
+/// on (the process's background one, which outlives the workers'), and
+/// tracked, so the process waits for them before it exits.
+struct AtExit {
+    home: Option<tokio::runtime::Handle>,
+    releases: tokio_util::task::TaskTracker,
+}
+
+impl AtExit {
+    fn here() -> Arc<AtExit> {
+        Arc::new(AtExit {
+            home: tokio::runtime::Handle::try_current().ok(),
+            releases: tokio_util::task::TaskTracker::new(),
+        })
+    }
 }
 
 impl StoreHandle {
@@ -569,6 +588,7 @@ impl StoreHandle {
             store,
             memory: None,
             timeout,
+            at_exit: AtExit::here(),
         }
     }
 
@@ -579,6 +599,7 @@ impl StoreHandle {
             store: store.clone(),
             memory: Some(store),
             timeout,
+            at_exit: AtExit::here(),
         }
     }
 
@@ -772,6 +793,29 @@ impl StoreHandle {
         };
         let store = self.clone();
         runtime.spawn(async move { store.release_abandoned(key, owner).await });
+    }
+
+    /// Releases `owner`'s claim of `key` from a worker's runtime as it is
+    /// dropped at shutdown (its grace ran out), which would drop a release
+    /// spawned on it unrun: on the handle's own runtime, once, within the
+    /// store's deadline. [`StoreHandle::releases_at_exit`] waits for them.
+    pub fn release_at_exit(&self, key: RecordKey, owner: Owner) {
+        let Some(home) = &self.at_exit.home else {
+            return;
+        };
+        let store = self.clone();
+        home.spawn(self.at_exit.releases.track_future(async move {
+            if let Err(error) = store.release(&key, owner).await {
+                crate::telemetry::warn_throttled!(error, "releasing a claim at shutdown failed; its lease will run out", key = %key.tag());
+            }
+        }));
+    }
+
+    /// Waits for the releases [`StoreHandle::release_at_exit`] started
+    /// (each within the store's deadline), on the handle's own runtime.
+    pub async fn releases_at_exit(&self) {
+        self.at_exit.releases.close();
+        self.at_exit.releases.wait().await;
     }
 
     /// Releases a claim nobody will settle, asked again while the store
