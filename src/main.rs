@@ -346,9 +346,10 @@ fn serve(path: &Path) -> anyhow::Result<()> {
     if let Some(first) = first {
         let _ = first.join();
     }
-    // Claims of requests a grace that ran out cut off, released as their
-    // workers' runtimes dropped them.
-    background.block_on(store.releases_at_exit());
+    // What claims dropped unsettled left to do: releases asked again, and
+    // claims of requests a grace that ran out cut off, which their
+    // workers' runtimes dropped.
+    background.block_on(store.finish_kept_tasks());
     tracing::info!("stopped");
     Ok(())
 }

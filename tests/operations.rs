@@ -421,51 +421,69 @@ async fn shutdown_drains_requests_and_exchanges_whose_clients_left() {
 /// to its lease, the claim would have let the retry run it again). On a
 /// route with `on_upstream_failure = "release"` the cut-off request's
 /// claim is released, as an upstream failure's would be: its retry runs
-/// at once, not a 409 until the lease ends.
+/// at once, not a 409 until the lease ends; unless the upstream's head
+/// had come (a 201: it acted), when it is recorded as unknown too.
 #[tokio::test]
 async fn a_shutdown_past_its_grace_records_requests_that_may_have_been_sent_as_unknown() {
-    // The first two (one a route) are held past the grace; retries answer at once.
-    let upstream = Upstream::start(|hit, _| match hit {
-        1 | 2 => Reply::created(hit).delayed(Duration::from_secs(5)),
-        _ => Reply::created(hit),
+    // The first three (one a route) are held past the grace, one of them
+    // with its head sent; retries answer at once.
+    let upstream = Upstream::start(|hit, seen| match (hit, seen.uri.as_str()) {
+        (4.., _) => Reply::created(hit),
+        (_, "/v1/payments") => Reply::Answer {
+            delay: Duration::ZERO,
+            status: StatusCode::CREATED,
+            headers: vec![],
+            chunks: vec!["{\"paid\":".into(), "1}".into()],
+            gap: Duration::from_secs(5),
+        },
+        _ => Reply::created(hit).delayed(Duration::from_secs(5)),
     })
     .await;
     let dir = tempfile::tempdir().unwrap();
     let toml = format!(
         "[server]\nshutdown_grace = \"300ms\"\n[store]\nbackend = \"embedded\"\npath = \"{}\"\n\
          [[route]]\nname = \"orders\"\npath = \"/v1/orders\"\non_upstream_failure = \"unknown\"\n\
-         [[route]]\nname = \"refunds\"\npath = \"/v1/refunds\"\n",
+         [[route]]\nname = \"refunds\"\npath = \"/v1/refunds\"\n\
+         [[route]]\nname = \"payments\"\npath = \"/v1/payments\"\n",
         dir.path().join("s.redb").display()
     );
     let mut gate = Binary::start(&upstream.url(), &toml).await;
     let client = TestClient::default();
-    let open: Vec<_> = [("/v1/orders", "sent"), ("/v1/refunds", "cut")]
-        .into_iter()
-        .map(|(path, key)| {
-            let (client, url) = (client.clone(), gate.url(path));
-            tokio::spawn(async move { client.post(&url, key, "").await })
-        })
-        .collect();
+    let open: Vec<_> = [
+        ("/v1/orders", "sent"),
+        ("/v1/refunds", "cut"),
+        ("/v1/payments", "acted"),
+    ]
+    .into_iter()
+    .map(|(path, key)| {
+        let (client, url) = (client.clone(), gate.url(path));
+        tokio::spawn(async move { client.post(&url, key, "").await })
+    })
+    .collect();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while upstream.hits() < 2 {
+    while upstream.hits() < 3 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the requests never reached the upstream"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // The 201's head on its way back.
+    tokio::time::sleep(Duration::from_millis(200)).await;
     gate.signal("TERM");
     gate.wait(Duration::from_secs(10)).expect("SIGTERM stops the process");
     open.iter().for_each(tokio::task::JoinHandle::abort);
     assert!(gate.log().contains("recorded_unknown=1"), "{}", gate.log());
 
     let restarted = Binary::start(&upstream.url(), &toml).await;
-    let retry = client.post(&restarted.url("/v1/orders"), "sent", "").await;
-    assert_eq!(retry.problem(), "outcome-unknown", "{}", retry.text());
-    assert_eq!(upstream.hits(), 2);
+    for (path, key) in [("/v1/orders", "sent"), ("/v1/payments", "acted")] {
+        let retry = client.post(&restarted.url(path), key, "").await;
+        assert_eq!(retry.problem(), "outcome-unknown", "{path}: {}", retry.text());
+    }
+    assert_eq!(upstream.hits(), 3);
     let retry = client.post(&restarted.url("/v1/refunds"), "cut", "").await;
     assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
-    assert_eq!(upstream.hits(), 3);
+    assert_eq!(upstream.hits(), 4);
 }
 
 /// What `addr` answers the bytes `wire` on a connection of their own.

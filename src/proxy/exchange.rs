@@ -66,9 +66,9 @@ pub struct Exchange {
 /// kept across reloads. A shutdown whose grace runs out records each as an
 /// unknown outcome ([`SentClaims::give_up`]); the exchanges are then
 /// dropped with their runtime, and a lease left to run out would let a
-/// retry run the request again. Every other claim they hold is released
-/// as they are dropped, on the store's own runtime, which outlives the
-/// worker's ([`StoreHandle::release_at_exit`]).
+/// retry run the request again. Every other claim they hold is settled as
+/// they are dropped, on the store's own runtime, which outlives the
+/// worker's ([`StoreHandle::spawn_kept`]).
 #[derive(Clone, Default)]
 pub struct SentClaims(Arc<SentState>);
 
@@ -131,9 +131,11 @@ impl SentClaims {
 }
 
 /// Holds a claim: renews its lease while the exchange runs long, and when
-/// dropped unsettled (the exchange panicked) settles it as an upstream
-/// failure would: released, or, once the request may have gone upstream on
-/// a route with `on_upstream_failure = "unknown"`, completed as unknown.
+/// dropped unsettled (the exchange panicked, or a shutdown's grace ran
+/// out) settles it as an upstream failure would: released, or completed
+/// as unknown once the request may have gone upstream on a route with
+/// `on_upstream_failure = "unknown"`, or once the upstream's head said it
+/// acted (see [`fail`]).
 ///
 /// Most exchanges end well within a third of the lease, so the renewal task
 /// is only spawned once one has run that long (see [`ClaimGuard::renewing_until`]).
@@ -153,6 +155,10 @@ struct ClaimGuard {
     /// `on_upstream_failure = "unknown"`: the `ttl` of the unknown outcome
     /// an unsettled drop records.
     unknown_for: Option<Duration>,
+    /// Set once the upstream's head came with a status the route keeps (it
+    /// acted): an unsettled drop records an unknown outcome of this `ttl`
+    /// whatever `on_upstream_failure` says, as [`fail`] does.
+    acted: Option<Duration>,
 }
 
 impl ClaimGuard {
@@ -175,6 +181,7 @@ impl ClaimGuard {
             renewal: None,
             settled: false,
             unknown_for: None,
+            acted: None,
         }
     }
 
@@ -337,23 +344,16 @@ impl Drop for ClaimGuard {
         if let Some(renewal) = self.renewal.take() {
             renewal.abort();
         }
-        let Some(ttl) = self.unknown_for else {
-            if self.context.sent.given_up() {
-                // Dropped with the worker's runtime, which would drop a
-                // release spawned on it unrun.
-                return self.context.store.release_at_exit(self.key, self.owner);
-            }
-            return self.context.store.release_in_background(self.key, self.owner);
-        };
-        if !self.context.sent.remove(self.owner) {
+        let ttl = match self.unknown_for {
             // A shutdown has recorded it as unknown.
-            return;
-        }
-        if tokio::runtime::Handle::try_current().is_err() {
-            // Shutting down: the lease runs out instead.
-            return;
-        }
-        tracing::warn!(key = %self.key.tag(), "the request may have been sent: recording its outcome as unknown");
+            Some(_) if !self.context.sent.remove(self.owner) => return,
+            Some(ttl) => ttl,
+            None => match self.acted {
+                Some(ttl) => ttl,
+                None => return self.context.store.release_in_background(self.key, self.owner),
+            },
+        };
+        tracing::warn!(key = %self.key.tag(), "the request may have been carried out: recording its outcome as unknown");
         // Settled already: dropped unpolled (a runtime shutting down), it
         // must not release the claim; the lease ends it.
         let guard = ClaimGuard {
@@ -361,11 +361,18 @@ impl Drop for ClaimGuard {
             renewal: None,
             settled: true,
             unknown_for: None,
+            acted: None,
             ..*self
         };
         // Counted as held again while it completes (this one is no more).
         guard.context.metrics.claim_taken();
-        self.context.exchanges.spawn(guard.complete(Outcome::Unknown, ttl));
+        if self.context.sent.given_up() || tokio::runtime::Handle::try_current().is_err() {
+            // The worker's runtime is being dropped (or gone), and a task
+            // spawned on it with it.
+            self.context.store.spawn_kept(guard.complete(Outcome::Unknown, ttl));
+        } else {
+            self.context.exchanges.spawn(guard.complete(Outcome::Unknown, ttl));
+        }
     }
 }
 
@@ -830,6 +837,9 @@ impl Exchange {
 
         let (head, mut body) = response.into_parts();
         let keep = !released(head.status.into(), policy);
+        if keep {
+            guard.acted = Some(policy.ttl);
+        }
         let limit = usize::try_from(policy.max_response_body).unwrap_or(usize::MAX);
         let status = head.status;
 
@@ -1201,21 +1211,32 @@ mod tests {
     /// A guard dropped unsettled (its exchange panicked) releases the claim
     /// before the request may have gone, and after it on a route with
     /// `on_upstream_failure = "release"`; on one with `"unknown"` it records
-    /// the outcome as unknown, so a retry cannot run the request again.
+    /// the outcome as unknown, so a retry cannot run the request again, and
+    /// so it does on any route once the upstream's head said it acted.
     #[tokio::test]
     async fn a_guard_dropped_unsettled_settles_as_an_upstream_failure_would() {
         let (config, store, context) = routes_and_context();
         let lease = Duration::from_secs(30);
         let fingerprint = Fingerprint([2; 32]);
-        for (n, (policy, sent)) in [(0, false), (0, true), (1, false), (1, true)].into_iter().enumerate() {
+        let cases = [
+            (0, false, false),
+            (0, true, false),
+            (1, false, false),
+            (1, true, false),
+            (0, true, true),
+        ];
+        for (n, (policy, sent, acted)) in cases.into_iter().enumerate() {
             let (key, owner) = (RecordKey([n as u8; 32]), Owner(n as u128 + 1));
             store.claim(&key, &fingerprint, owner, lease, None).await.unwrap();
             let mut guard = ClaimGuard::new(context.clone(), key, fingerprint, owner, lease, Instant::now());
             if sent {
                 guard.sending(&config.routes[policy].policy);
             }
+            if acted {
+                guard.acted = Some(config.routes[policy].policy.ttl);
+            }
             drop(guard);
-            let unknown = policy == 1 && sent;
+            let unknown = policy == 1 && sent || acted;
             let deadline = std::time::Instant::now() + Duration::from_secs(5);
             loop {
                 let found = store.inspect(&key).await.unwrap().map(|(record, _)| record);

@@ -520,9 +520,9 @@ impl Server {
                     connections = connections.len(),
                     exchanges = exchanges.len(),
                     recorded_unknown = unknown,
-                    "shutdown grace ran out; requests still open are cut off and their claims released, \
-                     but those that may have been sent on routes with on_upstream_failure = \"unknown\", \
-                     which are recorded as unknown"
+                    "shutdown grace ran out; requests still open are cut off and their claims released, or \
+                     recorded as unknown where the request may have been carried out (on_upstream_failure = \
+                     \"unknown\", or the upstream answered)"
                 );
             }
         }

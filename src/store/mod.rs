@@ -564,20 +564,18 @@ pub struct StoreHandle {
     at_exit: Arc<AtExit>,
 }
 
-/// Where releases made as a worker's runtime is dropped at shutdown run
-/// ([`StoreHandle::release_at_exit`]): on the runtime the handle was made
-/// on (the process's background one, which outlives the workers'), and
-/// tracked, so the process waits for them before it exits.
+/// Where the tasks [`StoreHandle::spawn_kept`] starts run: on the runtime
+/// the handle was made on, tracked.
 struct AtExit {
     home: Option<tokio::runtime::Handle>,
-    releases: tokio_util::task::TaskTracker,
+    tasks: tokio_util::task::TaskTracker,
 }
 
 impl AtExit {
     fn here() -> Arc<AtExit> {
         Arc::new(AtExit {
             home: tokio::runtime::Handle::try_current().ok(),
-            releases: tokio_util::task::TaskTracker::new(),
+            tasks: tokio_util::task::TaskTracker::new(),
         })
     }
 }
@@ -785,37 +783,39 @@ impl StoreHandle {
     }
 
     /// Releases `key` for `owner` in a task of its own: for a drop guard,
-    /// which cannot wait. Without a runtime (the process is ending), the
-    /// lease ends the claim instead.
+    /// which cannot wait. It runs where [`StoreHandle::spawn_kept`] puts
+    /// it, so a worker's runtime dropped at shutdown does not drop it.
     pub fn release_in_background(&self, key: RecordKey, owner: Owner) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         let store = self.clone();
-        runtime.spawn(async move { store.release_abandoned(key, owner).await });
+        self.spawn_kept(async move { store.release_abandoned(key, owner).await });
     }
 
-    /// Releases `owner`'s claim of `key` from a worker's runtime as it is
-    /// dropped at shutdown (its grace ran out), which would drop a release
-    /// spawned on it unrun: on the handle's own runtime, once, within the
-    /// store's deadline. [`StoreHandle::releases_at_exit`] waits for them.
-    pub fn release_at_exit(&self, key: RecordKey, owner: Owner) {
-        let Some(home) = &self.at_exit.home else {
-            return;
-        };
-        let store = self.clone();
-        home.spawn(self.at_exit.releases.track_future(async move {
-            if let Err(error) = store.release(&key, owner).await {
-                crate::telemetry::warn_throttled!(error, "releasing a claim at shutdown failed; its lease will run out", key = %key.tag());
+    /// Spawns `task` on the runtime this handle was made on (the
+    /// process's background one, which outlives the workers'; else the
+    /// caller's, if it has one), tracked, so
+    /// [`StoreHandle::finish_kept_tasks`] waits for it before the process
+    /// exits: for what a claim dropped unsettled leaves to do (release it,
+    /// or record its outcome as unknown), which a worker's runtime being
+    /// dropped at shutdown would drop unrun.
+    pub fn spawn_kept(&self, task: impl Future<Output = ()> + Send + 'static) {
+        let task = self.at_exit.tasks.track_future(task);
+        match &self.at_exit.home {
+            Some(home) => drop(home.spawn(task)),
+            None => {
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(task);
+                }
             }
-        }));
+        }
     }
 
-    /// Waits for the releases [`StoreHandle::release_at_exit`] started
-    /// (each within the store's deadline), on the handle's own runtime.
-    pub async fn releases_at_exit(&self) {
-        self.at_exit.releases.close();
-        self.at_exit.releases.wait().await;
+    /// Waits, for at most twice `store.timeout`, for the tasks
+    /// [`StoreHandle::spawn_kept`] started (releases asked again while the
+    /// store fails, outcomes recorded as unknown); run on the handle's own
+    /// runtime, once the workers have stopped.
+    pub async fn finish_kept_tasks(&self) {
+        self.at_exit.tasks.close();
+        let _ = tokio::time::timeout(self.timeout * 2, self.at_exit.tasks.wait()).await;
     }
 
     /// Releases a claim nobody will settle, asked again while the store
