@@ -319,6 +319,8 @@ fn an_upstream_url_needs_a_host_and_a_port_that_is_one() {
         ("http://127.0.0.1:", "port ``"),
         ("http://[::1]:99999", "port `99999`"),
         ("http://:8080", "has no host"),
+        ("http://127.0.0.1:8080#frag", "fragment"),
+        ("http://127.0.0.1:8080/#", "fragment"),
     ] {
         for (text, field) in [
             (format!("[upstream]\nurl = \"{url}\"\n"), "upstream.url"),
@@ -624,6 +626,7 @@ fn settings_that_could_never_work_are_refused_by_field() {
         ("forward_key_header", "content-type"),
         ("forward_key_header", "Content-Encoding"),
         ("forward_key_header", "content-md5"),
+        ("forward_key_header", "Content_Type"),
         ("key.header", "expect"),
         // Shared by every request of one type.
         ("key.header", "Content-Type"),
@@ -640,6 +643,12 @@ fn settings_that_could_never_work_are_refused_by_field() {
         let error = route(&line).unwrap_err();
         assert!(error.contains(&format!("route[0].{field}")), "{name}: {error}");
     }
+    // A tunnel, which the listener refuses before any route.
+    let error = route("methods = [\"POST\", \"CONNECT\"]").unwrap_err();
+    assert!(
+        error.contains("route[0].methods") && error.contains("CONNECT"),
+        "{error}"
+    );
     // A scope by a header of the connection.
     let error = route("scope = [\"authorization\", \"Connection\"]").unwrap_err();
     assert!(
@@ -731,6 +740,14 @@ fn keys_and_fingerprints_read_no_per_hop_header_and_no_volatile_field() {
         ),
         ("key = { derive = [\"header:te\", \"body:/id\"] }", "key.derive", "te"),
         ("key = { derive = [\"header:Upgrade\"] }", "key.derive", "Upgrade"),
+        // Framing: a retry sent chunked, or by a client that asks for a 100
+        // only on large bodies.
+        (
+            "fingerprint = { headers = [\"content-length\"] }",
+            "fingerprint.headers",
+            "content-length",
+        ),
+        ("key = { derive = [\"header:expect\"] }", "key.derive", "expect"),
         // The whole body, and a part of it, holding an ignored field.
         (
             "key = { derive = [\"body:\"] }\nfingerprint = { body = \"json\", ignore = [\"/ts\"] }",

@@ -147,15 +147,18 @@ fn header_name(s: &str) -> Result<HeaderName, String> {
 }
 
 /// A header a key is derived from (`key.derive`'s `header:`) or a
-/// fingerprint reads (`fingerprint.headers`): not one of the connection,
-/// which each hop may change, so a retry relayed another way (`TE`,
-/// `Connection: close`) would get another key, or a 422.
+/// fingerprint reads (`fingerprint.headers`): not one of the connection or
+/// of the body's framing, which each hop or client may change, so a retry
+/// relayed another way (`TE`, `Connection: close`), sent chunked or over
+/// HTTP/2 (no `Content-Length`), or by a client that waits for a 100 only
+/// on large bodies (`Expect`, as curl does) would get another key, or a
+/// 422.
 fn request_header_name(s: &str) -> Result<HeaderName, String> {
     let name = header_name(s)?;
-    if crate::wire::is_hop_by_hop(&name) {
+    if crate::wire::is_hop_by_hop(&name) || name == http::header::CONTENT_LENGTH || name == http::header::EXPECT {
         return Err(format!(
-            "`{s}` is a header of the connection, which each hop may change: a retry relayed another way \
-             would not match; name a header of the request"
+            "`{s}` is a header of the connection or of the body's framing, which each hop or client may \
+             change: a retry sent another way would not match; name a header of the request"
         ));
     }
     Ok(name)
@@ -206,7 +209,8 @@ fn key_header_name(s: &str, forwarded: bool) -> Result<HeaderName, String> {
     // would replace its type or coding; read from one, every request of
     // a type would share one key.
     let describes_body = if forwarded {
-        name.as_str().starts_with("content-")
+        // `Content_Type` too, as for `X-Forwarded-*` above.
+        name.as_str().replace('_', "-").starts_with("content-")
     } else {
         [
             http::header::CONTENT_TYPE,
@@ -268,6 +272,11 @@ fn upstream_url(s: &str) -> Result<Uri, String> {
     {
         return Err(format!(
             "`{shown}` has the port `{port}`: a port is a number from 1 to 65535"
+        ));
+    }
+    if s.contains('#') {
+        return Err(format!(
+            "`{shown}` is followed by a fragment (`#...`), which no request carries: give scheme://host[:port] alone"
         ));
     }
     if uri.path() != "/" && !uri.path().is_empty() || uri.query().is_some() {
@@ -353,6 +362,12 @@ fn policy(c: &mut Checker, raw: &RawPolicy, base: &Policy, at: &str) -> Policy {
                 let m = m.trim();
                 if m.is_empty() || !m.bytes().all(|b| b.is_ascii_uppercase()) {
                     return Err(format!("`{m}` is not an HTTP method in capitals, e.g. \"POST\""));
+                }
+                // Refused by the listener before any route is looked at.
+                if m == "CONNECT" {
+                    return Err("`CONNECT` asks for a tunnel, which idemgate refuses (400) before any \
+                                route: no route can take it"
+                        .to_owned());
                 }
                 Method::from_bytes(m.as_bytes()).map_err(|_| format!("`{m}` is not an HTTP method"))
             })

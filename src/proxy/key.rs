@@ -122,7 +122,8 @@ pub fn derive(fields: &[DeriveField], source: &KeySource<'_>) -> Result<String, 
         };
         let value = value.ok_or_else(|| match field {
             DeriveField::Body(_) if source.json.is_none() => Problem::KeyMissing(format!(
-                "the key is derived from `{field}`, and the body is not JSON (or an object in it names a member twice)"
+                "the key is derived from `{field}`, and the body is not JSON (or an object in it names a member \
+                 twice, it nests deeper than 128 levels, or it holds a number past a double's range)"
             )),
             _ => Problem::KeyMissing(format!("the key is derived from `{field}`, which this request lacks")),
         })?;
