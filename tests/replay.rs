@@ -125,15 +125,17 @@ forward_key_header = ""
 /// What shadow mode forwards though enforce would not (a retry, a key
 /// reused) and what a store that is down lets past with `on_error =
 /// "pass"` carry the key as a claimed request does: under
-/// `forward_key_header`, or not at all; and, as there, a `Connection`
-/// that names that header drops what the client sent under it, not the
-/// key put in its place.
+/// `forward_key_header`, or not at all (a body too large to buffer
+/// too); and, as there, a `Connection` that names that header drops
+/// what the client sent under it, not the key put in its place.
 #[tokio::test]
 async fn forwards_without_a_claim_carry_the_key_under_forward_key_header_too() {
     let upstream = Upstream::created().await;
     let proxy = Proxy::start(
         &upstream.url(),
         r#"
+[server]
+max_request_body = "1KiB"
 [defaults]
 forward_key_header = "X-Request-Key"
 mode = "shadow"
@@ -144,7 +146,8 @@ path = "/v1/orders"
     )
     .await;
     let client = TestClient::default();
-    for body in ["{}", "{}", "{\"other\":1}"] {
+    let big = format!("{{\"pad\":\"{}\"}}", "x".repeat(2048));
+    for body in ["{}", "{}", "{\"other\":1}", &big] {
         let headers = [("idempotency-key", "abc"), ("connection", "x-request-key")];
         client.send("POST", &proxy.url("/v1/orders"), &headers, body).await;
     }
@@ -152,7 +155,7 @@ path = "/v1/orders"
         assert_eq!(seen.headers.get("x-request-key").unwrap(), "abc", "request {i}");
         assert!(seen.headers.get("idempotency-key").is_none(), "request {i}");
     }
-    assert_eq!(upstream.hits(), 3);
+    assert_eq!(upstream.hits(), 4);
 
     let store = support::redis::redis_store(&support::unreachable_url().replace("http", "redis"));
     let toml = "[store]\non_error = \"pass\"\n[[route]]\nname = \"orders\"\npath = \"/v1/orders\"\nforward_key_header = \"\"\n";
@@ -160,7 +163,7 @@ path = "/v1/orders"
     let answer = client.post(&passing.url("/v1/orders"), "def", "{}").await;
     assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text());
     let seen = upstream.seen();
-    assert!(seen[3].headers.get("idempotency-key").is_none());
+    assert!(seen[4].headers.get("idempotency-key").is_none());
 }
 
 #[tokio::test]

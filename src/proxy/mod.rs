@@ -93,6 +93,9 @@ pub struct Gateway {
     context: Arc<Context>,
 }
 
+/// What [`Gateway::refuse`] is given before the key is read.
+const NO_KEYS: (Option<&crate::store::RecordKey>, Option<&str>) = (None, None);
+
 /// How long a waiting request pauses after a store error before it claims
 /// again: a dropped connection or a failover is over in moments, and the
 /// wait's budget bounds the tries (at most one each pause).
@@ -501,7 +504,7 @@ impl Gateway {
             Ok(k) => k,
             Err(problem) => {
                 return self
-                    .refuse(live, problem, None, parts, Some(RequestBody::Streaming(body)), peer)
+                    .refuse(live, problem, NO_KEYS, parts, Some(RequestBody::Streaming(body)), peer)
                     .await;
             }
         };
@@ -509,7 +512,7 @@ impl Gateway {
             if policy.key.required {
                 let problem = Problem::KeyMissing(format!("this route needs an {} header", policy.key.header));
                 return self
-                    .refuse(live, problem, None, parts, Some(RequestBody::Streaming(body)), peer)
+                    .refuse(live, problem, NO_KEYS, parts, Some(RequestBody::Streaming(body)), peer)
                     .await;
             }
             live.counters.count(Outcome::Passthrough);
@@ -520,7 +523,11 @@ impl Gateway {
         // 3. The body, buffered.
         let body = match self.read_body(body).await {
             Ok(bytes) => bytes,
-            Err((problem, body)) => return self.refuse(live, problem, None, parts, body, peer).await,
+            Err((problem, body)) => {
+                return self
+                    .refuse(live, problem, (None, header_key.as_deref()), parts, body, peer)
+                    .await;
+            }
         };
         let wants_json = policy.fingerprint.body == crate::config::BodyMode::Json
             || (header_key.is_none() && policy.key.derive.iter().any(|f| matches!(f, DeriveField::Body(_))));
@@ -541,7 +548,7 @@ impl Gateway {
                     Ok(k) => k,
                     Err(problem) => {
                         return self
-                            .refuse(live, problem, None, parts, Some(RequestBody::Buffered(body)), peer)
+                            .refuse(live, problem, NO_KEYS, parts, Some(RequestBody::Buffered(body)), peer)
                             .await;
                     }
                 }
@@ -658,7 +665,7 @@ impl Gateway {
                 .refuse(
                     live,
                     problem,
-                    Some((&record_key, &key)),
+                    (Some(&record_key), Some(&key)),
                     parts,
                     Some(RequestBody::Buffered(body)),
                     peer,
@@ -691,13 +698,13 @@ impl Gateway {
     /// Answers `problem`, or in shadow mode counts and logs it and forwards
     /// anyway. A store that is down with `on_error = "pass"` forwards too. A
     /// `body` of `None` was partly read already, so it is never forwarded.
-    /// `keys`, once known: the record key, which names the record in the
-    /// log, and the key, which goes upstream as a claimed request's does.
+    /// `keys`: the record key, once known, names the record in the log;
+    /// the key, once read, goes upstream as a claimed request's does.
     async fn refuse(
         &self,
         live: &LiveRoute,
         problem: Problem,
-        keys: Option<(&crate::store::RecordKey, &str)>,
+        (record_key, key): (Option<&crate::store::RecordKey>, Option<&str>),
         parts: Parts,
         body: Option<RequestBody>,
         peer: Peer,
@@ -709,10 +716,10 @@ impl Gateway {
             if pass {
                 live.counters.count(outcome);
             } else {
-                shadowed(live, outcome.shadowed(), keys.map(|(record_key, _)| record_key));
+                shadowed(live, outcome.shadowed(), record_key);
             }
             let request = Request::from_parts(parts, body.into());
-            let key = keys.map(|(_, key)| (&live.route.policy, key));
+            let key = key.map(|key| (&live.route.policy, key));
             return Box::pin(self.forward(request, upstream, OnStale::Fail, peer, key)).await;
         }
         live.counters.count(outcome);
