@@ -334,7 +334,9 @@ impl Cluster {
             let Err(error) = &result else {
                 return result;
             };
-            *written |= error.kind() != redis::ErrorKind::Client;
+            // Written, and no answer came (a refusal, `MOVED` or `ASK`
+            // among them, says it did not run).
+            *written |= error.kind() != redis::ErrorKind::Client && error.code().is_none();
             let method = error.retry_method();
             let ask = error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask);
             // Anything but an `ASK` (a slot migrating, as the map says) or
