@@ -109,8 +109,8 @@ impl SentClaims {
     /// Gives up on the worker's exchanges, whose grace ran out: records
     /// every claim here as an unknown outcome in `store` (the one every
     /// gateway of the worker has had: it changes only with a restart),
-    /// each within its deadline, and returns how many were recorded; the
-    /// others are released as they are dropped.
+    /// each within its deadline, and returns how many were recorded; every
+    /// other claim is settled by its guard as the exchange is dropped.
     pub async fn give_up(&self, store: &StoreHandle) -> usize {
         self.0.given_up.store(true, std::sync::atomic::Ordering::Release);
         let claims: Vec<_> = self.lock().drain().collect();
@@ -200,6 +200,17 @@ impl ClaimGuard {
         }
     }
 
+    /// The upstream's head came with a status the route releases (a 429,
+    /// a 5xx with `on_server_error = "release"`): the backend did not act,
+    /// so the claim is no longer one a drop or a shutdown must record as
+    /// unknown (as [`fail`] would release it), unless a shutdown has taken
+    /// it to already.
+    fn released_head(&mut self) {
+        if self.unknown_for.is_some() && self.context.sent.remove(self.owner) {
+            self.unknown_for = None;
+        }
+    }
+
     fn every(&self) -> Duration {
         (self.lease / 3).max(Duration::from_millis(1))
     }
@@ -284,7 +295,7 @@ impl ClaimGuard {
                 // Looked into off the client's way: the store is asked again.
                 let (store, key, fingerprint, owner) =
                     (self.context.store.clone(), self.key, self.fingerprint, self.owner);
-                self.context.exchanges.spawn(async move {
+                self.spawn_follow_up(async move {
                     lost(&store, &key, &fingerprint, owner, &outcome, ttl).await;
                 });
             }
@@ -311,11 +322,24 @@ impl ClaimGuard {
                     ttl,
                 );
                 let held = self.context.metrics.claim_held();
-                self.context.exchanges.spawn(async move {
+                self.spawn_follow_up(async move {
                     retry.await;
                     drop(held);
                 });
             }
+        }
+    }
+
+    /// Spawns what a settlement leaves to do: tracked with the worker's
+    /// exchanges, so a drain gives it `shutdown_grace`; or, once a shutdown
+    /// has given up on them (or from a guard a dropped runtime settles),
+    /// where the worker's runtime being dropped does not drop it
+    /// ([`StoreHandle::spawn_kept`]).
+    fn spawn_follow_up(&self, task: impl Future<Output = ()> + Send + 'static) {
+        if self.context.sent.given_up() || tokio::runtime::Handle::try_current().is_err() {
+            self.context.store.spawn_kept(task);
+        } else {
+            self.context.exchanges.spawn(task);
         }
     }
 
@@ -353,7 +377,11 @@ impl Drop for ClaimGuard {
                 None => return self.context.store.release_in_background(self.key, self.owner),
             },
         };
-        tracing::warn!(key = %self.key.tag(), "the request may have been carried out: recording its outcome as unknown");
+        // At most a line a second: a shutdown cuts off every open request.
+        static THROTTLE: telemetry::Throttle = telemetry::Throttle::new();
+        if let Some(suppressed) = THROTTLE.admit() {
+            tracing::warn!(key = %self.key.tag(), suppressed, "the request may have been carried out: recording its outcome as unknown");
+        }
         // Settled already: dropped unpolled (a runtime shutting down), it
         // must not release the claim; the lease ends it.
         let guard = ClaimGuard {
@@ -366,13 +394,9 @@ impl Drop for ClaimGuard {
         };
         // Counted as held again while it completes (this one is no more).
         guard.context.metrics.claim_taken();
-        if self.context.sent.given_up() || tokio::runtime::Handle::try_current().is_err() {
-            // The worker's runtime is being dropped (or gone), and a task
-            // spawned on it with it.
-            self.context.store.spawn_kept(guard.complete(Outcome::Unknown, ttl));
-        } else {
-            self.context.exchanges.spawn(guard.complete(Outcome::Unknown, ttl));
-        }
+        // Where a worker's runtime being dropped (a shutdown, a panic) does
+        // not drop it: the claim was answered, so any connection will do.
+        self.context.store.spawn_kept(guard.complete(Outcome::Unknown, ttl));
     }
 }
 
@@ -839,6 +863,8 @@ impl Exchange {
         let keep = !released(head.status.into(), policy);
         if keep {
             guard.acted = Some(policy.ttl);
+        } else {
+            guard.released_head();
         }
         let limit = usize::try_from(policy.max_response_body).unwrap_or(usize::MAX);
         let status = head.status;
@@ -1212,31 +1238,36 @@ mod tests {
     /// before the request may have gone, and after it on a route with
     /// `on_upstream_failure = "release"`; on one with `"unknown"` it records
     /// the outcome as unknown, so a retry cannot run the request again, and
-    /// so it does on any route once the upstream's head said it acted.
+    /// so it does on any route once the upstream's head said it acted; a
+    /// head the route releases is released on any route.
     #[tokio::test]
     async fn a_guard_dropped_unsettled_settles_as_an_upstream_failure_would() {
         let (config, store, context) = routes_and_context();
         let lease = Duration::from_secs(30);
         let fingerprint = Fingerprint([2; 32]);
+        // Route, sent, the head the route keeps (it acted) or releases.
         let cases = [
-            (0, false, false),
-            (0, true, false),
-            (1, false, false),
-            (1, true, false),
-            (0, true, true),
+            (0, false, None),
+            (0, true, None),
+            (1, false, None),
+            (1, true, None),
+            (0, true, Some(true)),
+            (1, true, Some(false)),
         ];
-        for (n, (policy, sent, acted)) in cases.into_iter().enumerate() {
+        for (n, (policy, sent, head)) in cases.into_iter().enumerate() {
             let (key, owner) = (RecordKey([n as u8; 32]), Owner(n as u128 + 1));
             store.claim(&key, &fingerprint, owner, lease, None).await.unwrap();
             let mut guard = ClaimGuard::new(context.clone(), key, fingerprint, owner, lease, Instant::now());
             if sent {
                 guard.sending(&config.routes[policy].policy);
             }
-            if acted {
-                guard.acted = Some(config.routes[policy].policy.ttl);
+            match head {
+                Some(true) => guard.acted = Some(config.routes[policy].policy.ttl),
+                Some(false) => guard.released_head(),
+                None => {}
             }
             drop(guard);
-            let unknown = policy == 1 && sent || acted;
+            let unknown = policy == 1 && sent && head.is_none() || head == Some(true);
             let deadline = std::time::Instant::now() + Duration::from_secs(5);
             loop {
                 let found = store.inspect(&key).await.unwrap().map(|(record, _)| record);

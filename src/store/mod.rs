@@ -540,7 +540,7 @@ impl Drop for Pending<'_> {
         };
         // A call that panicked cannot be polled again: released at once.
         if std::thread::panicking() {
-            self.store.release_in_background(self.key, self.owner);
+            self.store.release_behind_claim(self.key, self.owner);
         } else {
             self.store.see_through(claim, self.key, self.owner, self.lease);
         }
@@ -744,7 +744,7 @@ impl StoreHandle {
         let seen = SeenThrough;
         if SEEN_THROUGH.fetch_add(1, Ordering::Relaxed) >= MAX_SEEN_THROUGH {
             drop(seen);
-            return self.release_in_background(key, owner);
+            return self.release_behind_claim(key, owner);
         }
         let store = self.clone();
         runtime.spawn(async move {
@@ -753,12 +753,17 @@ impl StoreHandle {
             // Not taken: nothing to release. Still unanswered after a whole
             // lease, it may yet be taken (a store that stalled), and is
             // released all the same: the release is owner-checked and goes
-            // behind the claim on the same connection.
+            // behind the claim on the same connection. (Answered, it could
+            // go on any: released where a worker's runtime at its end does
+            // not drop it.)
             if let Ok(Ok(Claim::InFlight { .. } | Claim::Completed { .. }) | Err(StoreError::NotSent(_))) = answer {
                 return;
             }
             tracing::debug!(key = %key.tag(), "a claim given up on is released");
-            store.release_abandoned(key, owner).await;
+            match answer {
+                Ok(_) => store.release_in_background(key, owner),
+                Err(_) => store.release_abandoned(key, owner).await,
+            }
         });
     }
 
@@ -784,10 +789,24 @@ impl StoreHandle {
 
     /// Releases `key` for `owner` in a task of its own: for a drop guard,
     /// which cannot wait. It runs where [`StoreHandle::spawn_kept`] puts
-    /// it, so a worker's runtime dropped at shutdown does not drop it.
+    /// it, so a worker's runtime dropped at shutdown does not drop it; and
+    /// so, on Redis, on another thread's connection: only for a claim the
+    /// store has answered, which no release can overtake.
     pub fn release_in_background(&self, key: RecordKey, owner: Owner) {
         let store = self.clone();
         self.spawn_kept(async move { store.release_abandoned(key, owner).await });
+    }
+
+    /// [`StoreHandle::release_in_background`] of a claim the store has not
+    /// answered yet: spawned on this thread's runtime, so on Redis it goes
+    /// on this thread's connection, behind the claim, and cannot reach the
+    /// store first and leave the claim to land after it.
+    fn release_behind_claim(&self, key: RecordKey, owner: Owner) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return self.release_in_background(key, owner);
+        };
+        let store = self.clone();
+        runtime.spawn(async move { store.release_abandoned(key, owner).await });
     }
 
     /// Spawns `task` on the runtime this handle was made on (the
