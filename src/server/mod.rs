@@ -513,8 +513,8 @@ impl Server {
                 // Dropped with the runtime, requests that may have been sent
                 // on routes that keep such outcomes as unknown would leave
                 // their claims to their leases, and a retry would run them
-                // again: recorded as unknown first. The others' claims are
-                // released as they are dropped.
+                // again: recorded as unknown first. The others are settled
+                // by their guards as they are dropped.
                 let unknown = sent.give_up(gateway.load().store()).await;
                 tracing::warn!(
                     connections = connections.len(),
@@ -522,7 +522,7 @@ impl Server {
                     recorded_unknown = unknown,
                     "shutdown grace ran out; requests still open are cut off and their claims released, or \
                      recorded as unknown where the request may have been carried out (on_upstream_failure = \
-                     \"unknown\", or the upstream answered)"
+                     \"unknown\", or an answer with a status the route keeps)"
                 );
             }
         }

@@ -719,8 +719,10 @@ impl StoreHandle {
             // with but cannot read took nothing either.
             Err(StoreError::NotSent(_) | StoreError::Corrupt(_)) | Ok(_) => {}
             // The store may have taken the claim before the error (a
-            // connection that dropped with the answer on its way).
-            Err(_) => self.release_in_background(key, owner),
+            // connection that dropped with the answer on its way), or may
+            // yet (a Redis Cluster try whose own timer ran out): released
+            // behind it, on this thread's connection.
+            Err(_) => self.release_behind_claim(key, owner),
         }
         result
     }
@@ -753,16 +755,18 @@ impl StoreHandle {
             // Not taken: nothing to release. Still unanswered after a whole
             // lease, it may yet be taken (a store that stalled), and is
             // released all the same: the release is owner-checked and goes
-            // behind the claim on the same connection. (Answered, it could
-            // go on any: released where a worker's runtime at its end does
-            // not drop it.)
+            // behind the claim on the same connection. (Taken, it can go
+            // on any: released where a worker's runtime at its end does not
+            // drop it.)
             if let Ok(Ok(Claim::InFlight { .. } | Claim::Completed { .. }) | Err(StoreError::NotSent(_))) = answer {
                 return;
             }
             tracing::debug!(key = %key.tag(), "a claim given up on is released");
             match answer {
-                Ok(_) => store.release_in_background(key, owner),
-                Err(_) => store.release_abandoned(key, owner).await,
+                Ok(Ok(_)) => store.release_in_background(key, owner),
+                // An error may leave it unanswered (a Redis Cluster try's
+                // own timer does).
+                Ok(Err(_)) | Err(_) => store.release_abandoned(key, owner).await,
             }
         });
     }
