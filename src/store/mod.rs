@@ -752,13 +752,18 @@ impl StoreHandle {
         runtime.spawn(async move {
             let answer = tokio::time::timeout(lease, claim).await;
             drop(seen);
-            // Not taken: nothing to release. Still unanswered after a whole
+            // Not taken (a record it cannot read took nothing either):
+            // nothing to release. Still unanswered after a whole
             // lease, it may yet be taken (a store that stalled), and is
             // released all the same: the release is owner-checked and goes
             // behind the claim on the same connection. (Taken, it can go
             // on any: released where a worker's runtime at its end does not
             // drop it.)
-            if let Ok(Ok(Claim::InFlight { .. } | Claim::Completed { .. }) | Err(StoreError::NotSent(_))) = answer {
+            if let Ok(
+                Ok(Claim::InFlight { .. } | Claim::Completed { .. })
+                | Err(StoreError::NotSent(_) | StoreError::Corrupt(_)),
+            ) = answer
+            {
                 return;
             }
             tracing::debug!(key = %key.tag(), "a claim given up on is released");
@@ -804,10 +809,11 @@ impl StoreHandle {
     /// [`StoreHandle::release_in_background`] of a claim the store has not
     /// answered yet: spawned on this thread's runtime, so on Redis it goes
     /// on this thread's connection, behind the claim, and cannot reach the
-    /// store first and leave the claim to land after it.
+    /// store first and leave the claim to land after it. Without a runtime
+    /// (the process is ending) the lease ends the claim instead.
     fn release_behind_claim(&self, key: RecordKey, owner: Owner) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return self.release_in_background(key, owner);
+            return;
         };
         let store = self.clone();
         runtime.spawn(async move { store.release_abandoned(key, owner).await });
