@@ -289,11 +289,14 @@ impl Cluster {
     pub(super) async fn query<T: FromRedisValue>(&self, command: &Cmd, writes: bool) -> RedisResult<T> {
         let mut written = false;
         let result = self.tries(command, writes, &mut written).await;
-        result.map_err(|error| match written && error.kind() == redis::ErrorKind::Client {
-            true => resp::broken(format!(
-                "an earlier try was written and its answer lost, so it may have run; the last was not sent: {error}"
-            )),
-            false => error,
+        result.map_err(|error| {
+            if written && error.kind() == redis::ErrorKind::Client {
+                resp::broken(format!(
+                    "an earlier try was written and its answer lost, so it may have run; the last was not sent: {error}"
+                ))
+            } else {
+                error
+            }
         })
     }
 

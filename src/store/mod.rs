@@ -759,19 +759,19 @@ impl StoreHandle {
             // behind the claim on the same connection. (Taken, it can go
             // on any: released where a worker's runtime at its end does not
             // drop it.)
-            if let Ok(
-                Ok(Claim::InFlight { .. } | Claim::Completed { .. })
-                | Err(StoreError::NotSent(_) | StoreError::Corrupt(_)),
-            ) = answer
-            {
-                return;
-            }
-            tracing::debug!(key = %key.tag(), "a claim given up on is released");
             match answer {
-                Ok(Ok(_)) => store.release_in_background(key, owner),
+                Ok(Ok(Claim::InFlight { .. } | Claim::Completed { .. }))
+                | Ok(Err(StoreError::NotSent(_) | StoreError::Corrupt(_))) => {}
+                Ok(Ok(Claim::Claimed)) => {
+                    tracing::debug!(key = %key.tag(), "a claim given up on is released");
+                    store.release_in_background(key, owner);
+                }
                 // An error may leave it unanswered (a Redis Cluster try's
                 // own timer does).
-                Ok(Err(_)) | Err(_) => store.release_abandoned(key, owner).await,
+                Ok(Err(_)) | Err(_) => {
+                    tracing::debug!(key = %key.tag(), "a claim given up on is released");
+                    store.release_abandoned(key, owner).await;
+                }
             }
         });
     }
@@ -827,14 +827,13 @@ impl StoreHandle {
     /// or record its outcome as unknown), which a worker's runtime being
     /// dropped at shutdown would drop unrun.
     pub fn spawn_kept(&self, task: impl Future<Output = ()> + Send + 'static) {
-        let task = self.at_exit.tasks.track_future(task);
-        match &self.at_exit.home {
-            Some(home) => drop(home.spawn(task)),
-            None => {
-                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                    runtime.spawn(task);
-                }
-            }
+        let home = self
+            .at_exit
+            .home
+            .clone()
+            .or_else(|| tokio::runtime::Handle::try_current().ok());
+        if let Some(runtime) = home {
+            runtime.spawn(self.at_exit.tasks.track_future(task));
         }
     }
 
