@@ -670,6 +670,69 @@ async fn a_connection_that_answered_before_the_body_went_whole_is_not_reused() {
     assert_eq!(connections.load(Ordering::SeqCst), 2);
 }
 
+/// An upstream that answers an error without reading a small body, which
+/// went out whole with the head, and keeps the connection open (RFC 9112
+/// §9.3 says it must read the body or close; a legacy server may not): the
+/// connection is not reused, so the unread body never becomes the start of
+/// another client's request, which such a server would answer 400, and a
+/// claimed request would keep that answer under its key.
+#[tokio::test]
+async fn a_connection_that_answered_an_error_to_a_request_with_a_body_is_not_reused() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let connections = Arc::new(AtomicUsize::new(0));
+    let count = connections.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                // A keep-alive server that reads heads only: a body it does
+                // not read stays in front of the next head.
+                let mut read = Vec::new();
+                loop {
+                    let end = loop {
+                        if let Some(end) = read.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break end + 4;
+                        }
+                        let mut chunk = [0u8; 4096];
+                        match socket.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => read.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head: Vec<u8> = read.drain(..end).collect();
+                    let answer: &[u8] = if head.starts_with(b"POST /upload ") {
+                        b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 6\r\n\r\nwho?\r\n"
+                    } else if head.starts_with(b"POST /v1/orders ") {
+                        read.drain(..2.min(read.len()));
+                        b"HTTP/1.1 201 Created\r\ncontent-length: 7\r\n\r\norder-1"
+                    } else {
+                        let _ = socket
+                            .write_all(
+                                b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\ncontent-length: 7\r\n\r\ngarbage",
+                            )
+                            .await;
+                        return;
+                    };
+                    if socket.write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let routes = "[[route]]\nname = \"upload\"\npath = \"/upload\"\n";
+    let proxy = Proxy::start(&url, &format!("[server]\nworkers = 1\n{routes}{}", support::ORDERS)).await;
+    let client = TestClient::default();
+    let upload = client.post(&proxy.url("/upload"), "u7", &"x".repeat(1000)).await;
+    assert_eq!(upload.status, StatusCode::UNAUTHORIZED, "{}", upload.text());
+    let order = client.post(&proxy.url("/v1/orders"), "o7", "{}").await;
+    assert_eq!(order.status, StatusCode::CREATED, "{}", order.text());
+    assert_eq!(order.text(), "order-1");
+    assert_eq!(connections.load(Ordering::SeqCst), 2);
+}
+
 /// What an upstream sends once it has read a body of this many bytes.
 type Last = fn(usize) -> String;
 

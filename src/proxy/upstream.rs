@@ -564,6 +564,8 @@ impl UpstreamClient {
             other if resend && other.is_end_stream() => Some(ClientBody::Whole(None)),
             _ => None,
         };
+        // Whether body bytes go out: see `keep_alive` below.
+        let bodied = !body.is_end_stream() && body.size_hint().exact() != Some(0);
         let mut body = body;
         let (response, framing, keep_alive) = loop {
             let sent = match write_request(&mut conn, &parts, &key.authority, body, begun).await {
@@ -607,7 +609,13 @@ impl UpstreamClient {
                 Err(error) => return Err(error),
             }
         };
-        let keep_alive = keep_alive && conn.early.is_none();
+        // An upstream that answers an error may not have read a body it
+        // got whole (a 401 or 413 from the head alone) and still keep the
+        // connection, against RFC 9112 §9.3: the next request written on
+        // it would follow the unread bytes. One such error costs a new
+        // connection; a body sent into a misread request costs its key.
+        let errored = bodied && response.status().as_u16() >= 400;
+        let keep_alive = keep_alive && conn.early.is_none() && !errored;
         let mut body = UpstreamResponseBody {
             conn: Some(conn),
             framing,
