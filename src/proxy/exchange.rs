@@ -59,6 +59,10 @@ pub struct Exchange {
     pub timeout: Duration,
     /// How long the client may stall a streamed answer.
     pub client_timeout: Duration,
+    /// Whether an answer whose record the store failed still goes to the
+    /// client whole (`on_error = "pass"`), or is held back (see
+    /// [`ClaimGuard::complete`]).
+    pub deliver_unrecorded: bool,
 }
 
 /// The claims of requests that may have gone upstream on routes with
@@ -284,7 +288,10 @@ impl ClaimGuard {
         self.unknown_for.take().is_none() || self.context.sent.remove(self.owner)
     }
 
-    async fn complete(mut self, outcome: Outcome, ttl: Duration) {
+    /// Completes the record; false when the store failed the call (it is
+    /// then retried in the background, the claim kept), so the answer is
+    /// not recorded yet, and may never be if the proxy stops first.
+    async fn complete(mut self, outcome: Outcome, ttl: Duration) -> bool {
         self.settle();
         let started = Instant::now();
         let result = self
@@ -294,7 +301,7 @@ impl ClaimGuard {
             .await;
         self.context.metrics.store_latency.observe(started.elapsed());
         match result {
-            Ok(true) => {}
+            Ok(true) => true,
             Ok(false) => {
                 // Looked into off the client's way: the store is asked again.
                 let (store, key, fingerprint, owner) =
@@ -302,6 +309,9 @@ impl ClaimGuard {
                 self.spawn_follow_up(async move {
                     lost(&store, &key, &fingerprint, owner, &outcome, ttl).await;
                 });
+                // Its lease was lost: what the store holds is looked into,
+                // and the answer goes to the client as it stands.
+                true
             }
             // Releasing could let a retry run the request twice, and so could
             // letting the lease run out: keep the claim and keep trying.
@@ -330,6 +340,7 @@ impl ClaimGuard {
                     retry.await;
                     drop(held);
                 });
+                false
             }
         }
     }
@@ -401,7 +412,9 @@ impl Drop for ClaimGuard {
         guard.context.metrics.claim_taken();
         // Where a worker's runtime being dropped (a shutdown, a panic) does
         // not drop it: the claim was answered, so any connection will do.
-        self.context.store.spawn_kept(guard.complete(Outcome::Unknown, ttl));
+        self.context.store.spawn_kept(async move {
+            guard.complete(Outcome::Unknown, ttl).await;
+        });
     }
 }
 
@@ -781,6 +794,7 @@ impl Exchange {
             request,
             timeout,
             client_timeout,
+            deliver_unrecorded,
         } = self;
         let (policy, counters) = (&live.route.policy, &live.counters);
         let mut guard = ClaimGuard::new(
@@ -920,7 +934,13 @@ impl Exchange {
                 let headers: SmallVec<[_; 16]> = kept_headers(&head.headers, policy).collect();
                 kept(early_len > limit, status, &headers, &early)
             });
-            settle(guard, policy, outcome).await;
+            // Recorded before the client holds the whole answer (SPEC §3.5),
+            // or not given it at all: a proxy that stopped before the
+            // completion's retry lands would lose an answer it gave.
+            if !settle(guard, policy, outcome).await && !deliver_unrecorded {
+                let _ = reply.send(Problem::AnswerUnrecorded.response());
+                return;
+            }
             let body = match early.len() {
                 0 | 1 => early.pop().unwrap_or_default(),
                 _ => early.concat().into(),
@@ -985,8 +1005,12 @@ impl Exchange {
             let headers: SmallVec<[_; 16]> = headers.iter().map(|(name, value)| (name, value)).collect();
             kept(recorder.over_limit, status, &headers, &[recorder.body.freeze()])
         });
-        settle(guard, policy, outcome).await;
+        let recorded = settle(guard, policy, outcome).await;
         if let Some(tx) = client {
+            // The held byte goes only with the record (as above).
+            if !recorded && !deliver_unrecorded {
+                return tx.abort("the answer could not be recorded");
+            }
             if let Some(last) = held
                 && tokio::time::timeout(client_timeout, tx.send(Frame::data(last))).await != Ok(Ok(()))
             {
@@ -1038,11 +1062,15 @@ impl Relay {
 }
 
 /// Completes the record with `outcome`, or releases the claim when nothing
-/// is kept (a 5xx with `on_server_error = "release"`).
-async fn settle(guard: ClaimGuard, policy: &Policy, outcome: Option<Outcome>) {
+/// is kept (a 5xx with `on_server_error = "release"`); false when the store
+/// failed the completion (see [`ClaimGuard::complete`]).
+async fn settle(guard: ClaimGuard, policy: &Policy, outcome: Option<Outcome>) -> bool {
     match outcome {
         Some(outcome) => guard.complete(outcome, policy.ttl).await,
-        None => guard.release().await,
+        None => {
+            guard.release().await;
+            true
+        }
     }
 }
 
@@ -1074,7 +1102,9 @@ async fn fail(guard: ClaimGuard, policy: &Policy, failure: Failure, head: Option
     };
     match on_failure {
         OnUpstreamFailure::Release => guard.release().await,
-        OnUpstreamFailure::Unknown => guard.complete(Outcome::Unknown, policy.ttl).await,
+        OnUpstreamFailure::Unknown => {
+            guard.complete(Outcome::Unknown, policy.ttl).await;
+        }
     }
     match (failure, on_failure) {
         (Failure::Timeout, _) => Problem::UpstreamTimeout,

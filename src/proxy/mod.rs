@@ -690,6 +690,7 @@ impl Gateway {
                 request,
                 timeout: self.config.upstream.timeout,
                 client_timeout: self.config.server.header_read_timeout,
+                deliver_unrecorded: self.config.store.on_error == OnStoreError::Pass,
             },
         )
         .await
@@ -904,7 +905,7 @@ fn outcome_of(problem: &Problem) -> Outcome {
         Problem::BodyTooLarge { .. } => Outcome::TooLarge,
         Problem::ResponseNotReplayable => Outcome::NotReplayable,
         Problem::OutcomeUnknown => Outcome::OutcomeUnknown,
-        Problem::StoreUnavailable => Outcome::StoreError,
+        Problem::StoreUnavailable | Problem::AnswerUnrecorded => Outcome::StoreError,
         Problem::UpstreamUnavailable(_) | Problem::UpstreamTimeout => Outcome::UpstreamError,
         Problem::BadRequest(_) => Outcome::BadRequest,
     }

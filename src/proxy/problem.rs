@@ -34,6 +34,10 @@ pub enum Problem {
     OutcomeUnknown,
     /// The store cannot be reached and `on_error = "reject"`.
     StoreUnavailable,
+    /// The upstream answered, but the store failed the record: the answer
+    /// is held back (its record is being retried), with `on_error =
+    /// "reject"`. Its type is `store-unavailable`.
+    AnswerUnrecorded,
     /// The request could not be read.
     BadRequest(String),
 }
@@ -58,7 +62,7 @@ impl Problem {
             Problem::UpstreamUnavailable(_) => "upstream-unavailable",
             Problem::UpstreamTimeout => "upstream-timeout",
             Problem::OutcomeUnknown => "outcome-unknown",
-            Problem::StoreUnavailable => "store-unavailable",
+            Problem::StoreUnavailable | Problem::AnswerUnrecorded => "store-unavailable",
             Problem::BadRequest(_) => "bad-request",
         }
     }
@@ -73,7 +77,7 @@ impl Problem {
             | Problem::ResponseNotReplayable
             | Problem::BadRequest(_) => Fault::Client,
             Problem::UpstreamUnavailable(_) | Problem::UpstreamTimeout | Problem::OutcomeUnknown => Fault::Upstream,
-            Problem::StoreUnavailable => Fault::Store,
+            Problem::StoreUnavailable | Problem::AnswerUnrecorded => Fault::Store,
         }
     }
 
@@ -87,7 +91,7 @@ impl Problem {
             Problem::ResponseNotReplayable => StatusCode::GONE,
             Problem::UpstreamUnavailable(_) | Problem::OutcomeUnknown => StatusCode::BAD_GATEWAY,
             Problem::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
-            Problem::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Problem::StoreUnavailable | Problem::AnswerUnrecorded => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -115,6 +119,9 @@ impl Problem {
                 "the upstream failed after receiving a request with this key; it is not run again".to_string()
             }
             Problem::StoreUnavailable => "the idempotency store cannot be reached; retry later".to_string(),
+            Problem::AnswerUnrecorded => "the upstream answered, but the idempotency store has not recorded its \
+                                          answer yet; retry with the same key to have it replayed"
+                .to_string(),
         }
     }
 
@@ -126,13 +133,17 @@ impl Problem {
                 | Problem::UpstreamUnavailable(_)
                 | Problem::UpstreamTimeout
                 | Problem::StoreUnavailable
+                | Problem::AnswerUnrecorded
         )
     }
 
     /// The `application/problem+json` response.
     pub fn response(&self) -> Response<ResponseBody> {
         let mut response = document(self.status(), self.slug(), self.title(), &self.detail());
-        if matches!(self, Problem::RequestInFlight | Problem::StoreUnavailable) {
+        if matches!(
+            self,
+            Problem::RequestInFlight | Problem::StoreUnavailable | Problem::AnswerUnrecorded
+        ) {
             response
                 .headers_mut()
                 .insert(RETRY_AFTER, HeaderValue::from_static("1"));
