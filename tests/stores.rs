@@ -899,25 +899,35 @@ async fn replay_once_landed(client: &TestClient, url: &str, key: &str) -> suppor
     }
 }
 
-/// With `on_error = "pass"` (availability first), an answer whose record
-/// the store failed still goes to the client whole, as a request forwarded
-/// while the store is down would.
+/// An answer whose record the store failed still goes to the client whole
+/// where holding it back would not help: with `on_error = "pass"`
+/// (availability first: its retry would be forwarded unprotected), in
+/// shadow mode (which changes no answer), and over `max_response_body`
+/// (never replayed anyway).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_on_error_pass_an_answer_the_store_did_not_record_is_delivered() {
+async fn an_answer_the_store_did_not_record_is_delivered_where_holding_it_back_would_not_help() {
     let redis = RedisServer::start();
     let upstream = Upstream::start(|hit, _| Reply::created(hit).delayed(Duration::from_millis(1000))).await;
-    let config = format!("[store]\non_error = \"pass\"\n{ROUTE}");
-    let proxy = Proxy::start_with_store(&upstream.url(), &config, redis_store(&redis.url())).await;
+    let configs = [
+        format!("[store]\non_error = \"pass\"\n{ROUTE}"),
+        format!("{ROUTE}mode = \"shadow\"\n"),
+        format!("{ROUTE}max_response_body = \"4B\"\n"),
+    ];
     let client = TestClient::default();
-    let first = tokio::spawn({
-        let (client, url) = (client.clone(), proxy.url("/v1/orders"));
-        async move { client.post(&url, "passed", "{}").await }
-    });
-    upstream.reached(1).await;
-    assert!(redis.cli(&["client", "pause", "2500", "write"]).is_some());
-    let first = first.await.unwrap();
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
-    assert_eq!(first.text(), r#"{"order":1}"#);
+    for (n, config) in configs.iter().enumerate() {
+        let proxy = Proxy::start_with_store(&upstream.url(), config, redis_store(&redis.url())).await;
+        let first = tokio::spawn({
+            let (client, url) = (client.clone(), proxy.url("/v1/orders"));
+            async move { client.post(&url, "delivered", "{}").await }
+        });
+        upstream.reached(n + 1).await;
+        assert!(redis.cli(&["client", "pause", "2500", "write"]).is_some());
+        let first = first.await.unwrap();
+        assert_eq!(first.status, StatusCode::CREATED, "{config}: {}", first.text());
+        assert_eq!(first.text(), format!(r#"{{"order":{}}}"#, n + 1));
+        assert!(redis.cli(&["client", "unpause"]).is_some());
+        assert!(redis.cli(&["flushall"]).is_some());
+    }
 }
 
 /// A completion that writes a large record is given its bytes' time on

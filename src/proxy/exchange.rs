@@ -288,9 +288,13 @@ impl ClaimGuard {
         self.unknown_for.take().is_none() || self.context.sent.remove(self.owner)
     }
 
-    /// Completes the record; false when the store failed the call (it is
-    /// then retried in the background, the claim kept), so the answer is
-    /// not recorded yet, and may never be if the proxy stops first.
+    /// Completes the record; false when the answer is not recorded (the
+    /// store failed the call, and it is retried in the background, the
+    /// claim kept; or the lease was lost, and the key is looked into), so
+    /// a proxy stopped now could lose it. True again when the store takes
+    /// no write until a restart ([`StoreHandle::stopped`]): nothing lands
+    /// before then, and holding the answer back from its client would only
+    /// have its retry run the request again after the restart.
     async fn complete(mut self, outcome: Outcome, ttl: Duration) -> bool {
         self.settle();
         let started = Instant::now();
@@ -310,8 +314,8 @@ impl ClaimGuard {
                     lost(&store, &key, &fingerprint, owner, &outcome, ttl).await;
                 });
                 // Its lease was lost: what the store holds is looked into,
-                // and the answer goes to the client as it stands.
-                true
+                // and the answer may be written again, or may not.
+                false
             }
             // Releasing could let a retry run the request twice, and so could
             // letting the lease run out: keep the claim and keep trying.
@@ -340,7 +344,7 @@ impl ClaimGuard {
                     retry.await;
                     drop(held);
                 });
-                false
+                self.context.store.stopped()
             }
         }
     }
@@ -929,7 +933,6 @@ impl Exchange {
             }
         }
         if whole {
-            counters.count_noted(TelemetryOutcome::Forwarded);
             let outcome = keep.then(|| {
                 let headers: SmallVec<[_; 16]> = kept_headers(&head.headers, policy).collect();
                 kept(early_len > limit, status, &headers, &early)
@@ -937,10 +940,13 @@ impl Exchange {
             // Recorded before the client holds the whole answer (SPEC §3.5),
             // or not given it at all: a proxy that stopped before the
             // completion's retry lands would lose an answer it gave.
-            if !settle(guard, policy, outcome).await && !deliver_unrecorded {
+            let replayable = outcome.as_ref().is_some_and(Outcome::is_response);
+            if !settle(guard, policy, outcome).await && replayable && !deliver_unrecorded {
+                held_back(&live, &key);
                 let _ = reply.send(Problem::AnswerUnrecorded.response());
                 return;
             }
+            counters.count_noted(TelemetryOutcome::Forwarded);
             let body = match early.len() {
                 0 | 1 => early.pop().unwrap_or_default(),
                 _ => early.concat().into(),
@@ -997,7 +1003,6 @@ impl Exchange {
                 }
             }
         }
-        counters.count_noted(TelemetryOutcome::Forwarded);
         let Relay {
             client, held, recorder, ..
         } = relay;
@@ -1005,12 +1010,14 @@ impl Exchange {
             let headers: SmallVec<[_; 16]> = headers.iter().map(|(name, value)| (name, value)).collect();
             kept(recorder.over_limit, status, &headers, &[recorder.body.freeze()])
         });
-        let recorded = settle(guard, policy, outcome).await;
+        let replayable = outcome.as_ref().is_some_and(Outcome::is_response);
+        // The held byte goes only with the record (as above).
+        if !settle(guard, policy, outcome).await && replayable && !deliver_unrecorded {
+            held_back(&live, &key);
+            return abort(client, "the answer could not be recorded");
+        }
+        counters.count_noted(TelemetryOutcome::Forwarded);
         if let Some(tx) = client {
-            // The held byte goes only with the record (as above).
-            if !recorded && !deliver_unrecorded {
-                return tx.abort("the answer could not be recorded");
-            }
             if let Some(last) = held
                 && tokio::time::timeout(client_timeout, tx.send(Frame::data(last))).await != Ok(Ok(()))
             {
@@ -1059,6 +1066,13 @@ impl Relay {
             }
         }
     }
+}
+
+/// Counts and logs an answer held back from its client, as its record did
+/// not land (see [`ClaimGuard::complete`]).
+fn held_back(live: &LiveRoute, key: &RecordKey) {
+    live.counters.count(TelemetryOutcome::StoreError);
+    tracing::warn!(route = %live.route.name, key = %key.tag(), "the answer is held back from the client: its record did not land (a retry gets it once it does)");
 }
 
 /// Completes the record with `outcome`, or releases the claim when nothing
@@ -1206,15 +1220,39 @@ mod tests {
         });
         let store = StoreHandle::new(faulty, Duration::from_secs(1));
         let (_, context) = routes_and_context_on(store.clone());
-        let (key, fingerprint, owner, answer) = landed_parts();
-        let lease = Duration::from_secs(30);
-        store.claim(&key, &fingerprint, owner, lease, None).await.unwrap();
-        let guard = ClaimGuard::new(context.clone(), key, fingerprint, owner, lease, Instant::now());
-        guard.complete(answer, Duration::from_secs(60)).await;
+        let (key, _, _, answer) = landed_parts();
+        claimed(&context, key)
+            .await
+            .complete(answer, Duration::from_secs(60))
+            .await;
         assert_eq!(context.metrics.claims_in_flight(), 1, "held by the retry");
         context.exchanges.close();
         context.exchanges.wait().await;
         assert_eq!(context.metrics.claims_in_flight(), 0);
+    }
+
+    /// A completion the store fails leaves the answer unrecorded, to be
+    /// held back from its client; unless the store takes no write until a
+    /// restart, when nothing would land first.
+    #[tokio::test]
+    async fn a_failed_completion_holds_the_answer_back_unless_the_store_stopped() {
+        for stopped in [false, true] {
+            let faulty = Arc::new(crate::store::faulty::Faulty {
+                failing_completes: 1.into(),
+                stopped,
+                ..crate::store::faulty::Faulty::new()
+            });
+            let store = StoreHandle::new(faulty, Duration::from_secs(1));
+            let (_, context) = routes_and_context_on(store);
+            let (key, _, _, answer) = landed_parts();
+            let guard = claimed(&context, key).await;
+            assert_eq!(guard.complete(answer.clone(), Duration::from_secs(60)).await, stopped);
+            // One that lands: delivered.
+            let guard = claimed(&context, RecordKey([3; 32])).await;
+            assert!(guard.complete(answer, Duration::from_secs(60)).await);
+            context.exchanges.close();
+            context.exchanges.wait().await;
+        }
     }
 
     /// A release the store fails (a dropped connection) is asked again,
@@ -1424,6 +1462,19 @@ mod tests {
     }
 
     /// The key, fingerprint, owner and answer of [`completed_on`]'s record.
+    /// The guard of `key`, claimed in `context`'s store with
+    /// [`landed_parts`]'s fingerprint and owner, for 30 s.
+    async fn claimed(context: &Arc<Context>, key: RecordKey) -> ClaimGuard {
+        let (_, fingerprint, owner, _) = landed_parts();
+        let lease = Duration::from_secs(30);
+        context
+            .store
+            .claim(&key, &fingerprint, owner, lease, None)
+            .await
+            .unwrap();
+        ClaimGuard::new(context.clone(), key, fingerprint, owner, lease, Instant::now())
+    }
+
     fn landed_parts() -> (RecordKey, Fingerprint, Owner, Outcome) {
         let answer = Outcome::Response(Arc::new(StoredResponse::new(
             StatusCode::CREATED,

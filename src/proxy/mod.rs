@@ -690,7 +690,9 @@ impl Gateway {
                 request,
                 timeout: self.config.upstream.timeout,
                 client_timeout: self.config.server.header_read_timeout,
-                deliver_unrecorded: self.config.store.on_error == OnStoreError::Pass,
+                // Shadow mode changes no answer; `pass` puts availability
+                // first.
+                deliver_unrecorded: policy.mode == Mode::Shadow || self.config.store.on_error == OnStoreError::Pass,
             },
         )
         .await

@@ -883,6 +883,10 @@ impl Store for EmbeddedStore {
         Ok(())
     }
 
+    fn stopped(&self) -> bool {
+        self.shared.failed.get().is_some()
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         if let Some(failure) = self.shared.refusal() {
             return Err(StoreError::Unavailable(failure.clone().into()));

@@ -29,6 +29,8 @@ pub(crate) struct Faulty {
     pub renewals_panic: bool,
     /// Releases that fail (unanswered) before one goes through.
     pub failing_releases: AtomicUsize,
+    /// What [`Store::stopped`] says.
+    pub stopped: bool,
 }
 
 impl Faulty {
@@ -42,6 +44,7 @@ impl Faulty {
             failing_completes: AtomicUsize::new(0),
             renewals_panic: false,
             failing_releases: AtomicUsize::new(0),
+            stopped: false,
         }
     }
 }
@@ -102,6 +105,9 @@ impl Store for Faulty {
     }
     async fn purge(&self, key: &RecordKey) -> Result<bool, StoreError> {
         self.store.purge(key).await
+    }
+    fn stopped(&self) -> bool {
+        self.stopped
     }
 }
 

@@ -493,6 +493,13 @@ pub trait Store: Send + Sync + 'static {
     fn stored_bytes(&self) -> Option<usize> {
         None
     }
+
+    /// Whether the store takes no write until a restart (the embedded
+    /// store after a failed write to its log): a completion it failed
+    /// cannot land before then.
+    fn stopped(&self) -> bool {
+        false
+    }
 }
 
 /// How fast a store call is taken to move a record's bytes: a call that
@@ -907,6 +914,11 @@ impl StoreHandle {
 
     pub fn stored_bytes(&self) -> Option<usize> {
         self.store.stored_bytes()
+    }
+
+    /// See [`Store::stopped`].
+    pub fn stopped(&self) -> bool {
+        self.store.stopped()
     }
 }
 
