@@ -918,7 +918,10 @@ async fn an_answer_the_store_did_not_record_is_delivered_where_holding_it_back_w
         let proxy = Proxy::start_with_store(&upstream.url(), config, redis_store(&redis.url())).await;
         let first = tokio::spawn({
             let (client, url) = (client.clone(), proxy.url("/v1/orders"));
-            async move { client.post(&url, "delivered", "{}").await }
+            // A key of its own: the last proxy's completion, retried, may
+            // land after the flush below.
+            let key = format!("delivered{n}");
+            async move { client.post(&url, &key, "{}").await }
         });
         upstream.reached(n + 1).await;
         assert!(redis.cli(&["client", "pause", "2500", "write"]).is_some());

@@ -288,13 +288,15 @@ impl ClaimGuard {
         self.unknown_for.take().is_none() || self.context.sent.remove(self.owner)
     }
 
-    /// Completes the record; false when the answer is not recorded (the
-    /// store failed the call, and it is retried in the background, the
-    /// claim kept; or the lease was lost, and the key is looked into), so
-    /// a proxy stopped now could lose it. True again when the store takes
-    /// no write until a restart ([`StoreHandle::stopped`]): nothing lands
-    /// before then, and holding the answer back from its client would only
-    /// have its retry run the request again after the restart.
+    /// Completes the record; false when the store failed the call (it is
+    /// retried in the background, the claim kept), so the answer is not
+    /// recorded yet and a proxy stopped now could lose it. True when the
+    /// store takes no write until a restart ([`StoreHandle::stopped`]):
+    /// nothing lands before then, and holding the answer back from its
+    /// client would only have its retry run the request again after the
+    /// restart. True too when the lease was lost (the store took the
+    /// completion where the key is free, so another request holds it): no
+    /// retry could be given this answer.
     async fn complete(mut self, outcome: Outcome, ttl: Duration) -> bool {
         self.settle();
         let started = Instant::now();
@@ -313,9 +315,9 @@ impl ClaimGuard {
                 self.spawn_follow_up(async move {
                     lost(&store, &key, &fingerprint, owner, &outcome, ttl).await;
                 });
-                // Its lease was lost: what the store holds is looked into,
-                // and the answer may be written again, or may not.
-                false
+                // Its lease was lost to another request: what the store
+                // holds is looked into (the answer may be there already).
+                true
             }
             // Releasing could let a retry run the request twice, and so could
             // letting the lease run out: keep the claim and keep trying.
@@ -938,7 +940,8 @@ impl Exchange {
                 kept(early_len > limit, status, &headers, &early)
             });
             // Recorded before the client holds the whole answer (SPEC §3.5),
-            // or not given it at all: a proxy that stopped before the
+            // or not given it at all where a retry could be (see
+            // `ClaimGuard::complete`): a proxy that stopped before the
             // completion's retry lands would lose an answer it gave.
             let replayable = outcome.as_ref().is_some_and(Outcome::is_response);
             if !settle(guard, policy, outcome).await && replayable && !deliver_unrecorded {
@@ -1011,7 +1014,8 @@ impl Exchange {
             kept(recorder.over_limit, status, &headers, &[recorder.body.freeze()])
         });
         let replayable = outcome.as_ref().is_some_and(Outcome::is_response);
-        // The held byte goes only with the record (as above).
+        // The held byte goes only with the record, where it can be
+        // recorded (as above).
         if !settle(guard, policy, outcome).await && replayable && !deliver_unrecorded {
             held_back(&live, &key);
             return abort(client, "the answer could not be recorded");
@@ -1068,16 +1072,20 @@ impl Relay {
     }
 }
 
-/// Counts and logs an answer held back from its client, as its record did
-/// not land (see [`ClaimGuard::complete`]).
+/// Counts and logs (a line a second at most: a store that fails does so for
+/// every exchange in flight) an answer held back from its client, as its
+/// record did not land (see [`ClaimGuard::complete`]).
 fn held_back(live: &LiveRoute, key: &RecordKey) {
+    static THROTTLE: telemetry::Throttle = telemetry::Throttle::new();
     live.counters.count(TelemetryOutcome::StoreError);
-    tracing::warn!(route = %live.route.name, key = %key.tag(), "the answer is held back from the client: its record did not land (a retry gets it once it does)");
+    if let Some(suppressed) = THROTTLE.admit() {
+        tracing::warn!(route = %live.route.name, key = %key.tag(), suppressed, "the answer is held back from the client: its record did not land (a retry gets it once it does)");
+    }
 }
 
 /// Completes the record with `outcome`, or releases the claim when nothing
-/// is kept (a 5xx with `on_server_error = "release"`); false when the store
-/// failed the completion (see [`ClaimGuard::complete`]).
+/// is kept (a 5xx with `on_server_error = "release"`); false when the
+/// answer is not recorded and could be (see [`ClaimGuard::complete`]).
 async fn settle(guard: ClaimGuard, policy: &Policy, outcome: Option<Outcome>) -> bool {
     match outcome {
         Some(outcome) => guard.complete(outcome, policy.ttl).await,
@@ -1461,7 +1469,6 @@ mod tests {
         assert!(releasing.await.unwrap());
     }
 
-    /// The key, fingerprint, owner and answer of [`completed_on`]'s record.
     /// The guard of `key`, claimed in `context`'s store with
     /// [`landed_parts`]'s fingerprint and owner, for 30 s.
     async fn claimed(context: &Arc<Context>, key: RecordKey) -> ClaimGuard {
@@ -1475,6 +1482,7 @@ mod tests {
         ClaimGuard::new(context.clone(), key, fingerprint, owner, lease, Instant::now())
     }
 
+    /// The key, fingerprint, owner and answer of [`completed_on`]'s record.
     fn landed_parts() -> (RecordKey, Fingerprint, Owner, Outcome) {
         let answer = Outcome::Response(Arc::new(StoredResponse::new(
             StatusCode::CREATED,

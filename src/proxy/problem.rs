@@ -34,9 +34,9 @@ pub enum Problem {
     OutcomeUnknown,
     /// The store cannot be reached and `on_error = "reject"`.
     StoreUnavailable,
-    /// The upstream answered, but the store failed the record: the answer
-    /// is held back (its record is being retried), with `on_error =
-    /// "reject"`. Its type is `store-unavailable`.
+    /// The upstream answered, but the store failed the record's
+    /// completion, which is being retried: the answer is held back (see
+    /// `ClaimGuard::complete`). Its type is `store-unavailable`.
     AnswerUnrecorded,
     /// The request could not be read.
     BadRequest(String),

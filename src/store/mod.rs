@@ -495,8 +495,9 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// Whether the store takes no write until a restart (the embedded
-    /// store after a failed write to its log): a completion it failed
-    /// cannot land before then.
+    /// store after a failed write to its log, a checkpoint thread that
+    /// stopped, or a log outgrowing its memory while the file cannot be
+    /// written): a completion it failed cannot land before then.
     fn stopped(&self) -> bool {
         false
     }
