@@ -46,7 +46,8 @@ const EARLY_FRAMES: usize = 16;
 pub struct Exchange {
     pub context: Arc<Context>,
     /// The route: its policy, and its outcome counters (`forwarded` once
-    /// the upstream answers, `upstream_error` when it does not).
+    /// the answer has come and is settled, `upstream_error` when it does
+    /// not come, `store_error` when it is held back).
     pub live: Arc<LiveRoute>,
     pub key: RecordKey,
     pub fingerprint: Fingerprint,
@@ -60,8 +61,8 @@ pub struct Exchange {
     /// How long the client may stall a streamed answer.
     pub client_timeout: Duration,
     /// Whether an answer whose record the store failed still goes to the
-    /// client whole (`on_error = "pass"`), or is held back (see
-    /// [`ClaimGuard::complete`]).
+    /// client whole (`on_error = "pass"`, or shadow mode), or is held back
+    /// (see [`ClaimGuard::complete`]).
     pub deliver_unrecorded: bool,
 }
 
@@ -294,9 +295,10 @@ impl ClaimGuard {
     /// store takes no write until a restart ([`StoreHandle::stopped`]):
     /// nothing lands before then, and holding the answer back from its
     /// client would only have its retry run the request again after the
-    /// restart. True too when the lease was lost (the store took the
-    /// completion where the key is free, so another request holds it): no
-    /// retry could be given this answer.
+    /// restart. True too when the store refused it as the key is taken (it
+    /// takes a completion only where the key is free): another request's
+    /// claim or record, or this answer already; holding it back could not
+    /// get it replayed.
     async fn complete(mut self, outcome: Outcome, ttl: Duration) -> bool {
         self.settle();
         let started = Instant::now();
@@ -518,7 +520,7 @@ const LOST_ROUNDS: usize = 3;
 /// an operator's purge, or another request whose claim it was released
 /// it after its own failure (waited for a few seconds when the claim is
 /// still there: one whose client got a 503 while the store was down is
-/// released as it comes back). The answer the client got is written
+/// released as it comes back). The answer (its client's) is written
 /// again, as a completion writes where no record is, so a retry replays
 /// it instead of running the request a second time.
 ///
@@ -584,7 +586,7 @@ async fn lost(
     false
 }
 
-/// [`lost`] on a key that holds nothing: the answer the client got is
+/// [`lost`] on a key that holds nothing: the answer (its client's) is
 /// written again (asked again while the store fails: in a failover it may
 /// still be settling); whether it was.
 async fn written_again(
@@ -1085,7 +1087,8 @@ fn held_back(live: &LiveRoute, key: &RecordKey) {
 
 /// Completes the record with `outcome`, or releases the claim when nothing
 /// is kept (a 5xx with `on_server_error = "release"`); false when the
-/// answer is not recorded and could be (see [`ClaimGuard::complete`]).
+/// completion failed and may still land (see [`ClaimGuard::complete`]):
+/// the callers decide whether that holds the answer back.
 async fn settle(guard: ClaimGuard, policy: &Policy, outcome: Option<Outcome>) -> bool {
     match outcome {
         Some(outcome) => guard.complete(outcome, policy.ttl).await,

@@ -440,8 +440,8 @@ pub trait Store: Send + Sync + 'static {
     /// Turns `owner`'s claim into a completed record kept for `ttl`; also
     /// writes it where the key holds no record (the lease ran out, say
     /// while the store stalled, or the claim was purged, and nobody has
-    /// claimed the key since), so the answer the client got is kept and a
-    /// retry replays it. Returns false (and changes nothing) when another
+    /// claimed the key since), so the answer (its client's, or the one
+    /// held back for its retry) is kept and a retry replays it. Returns false (and changes nothing) when another
     /// request holds the key, or its record. Callers pass the
     /// `fingerprint` `owner` claimed with: written into a record made where
     /// none was, and by the Redis store always (sparing the script a read

@@ -144,8 +144,9 @@ const ANNOUNCE: &str = concat!(
 
 /// [`OWNED`] for a completion, which also lands on a key that holds no
 /// record: its lease ran out (a store that stalled), or its claim was
-/// purged, and nobody has claimed it since. The answer the client got is
-/// kept, and a retry replays it instead of running again.
+/// purged, and nobody has claimed it since. The answer (its client's, or
+/// the one held back for its retry) is kept, and a retry replays it
+/// instead of running again.
 const OURS_OR_NONE: &str = r"
 local v = redis.call('GET', KEYS[1])
 if v and (string.byte(v, 2) ~= 0 or string.sub(v, 35, 50) ~= ARGV[1]) then return nil end
