@@ -148,18 +148,9 @@ async fn raw_upstream() -> RawUpstream {
                 let mut buf = Vec::new();
                 for served in 0.. {
                     // One request: its head, then its content-length body.
-                    let head_end = loop {
-                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            break i + 4;
-                        }
-                        let mut chunk = [0u8; 4096];
-                        match socket.read(&mut chunk).await {
-                            Ok(0) | Err(_) => {
-                                hung_up.fetch_add(1, Ordering::SeqCst);
-                                return;
-                            }
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
+                    let Some(head_end) = head_end(&mut socket, &mut buf).await else {
+                        hung_up.fetch_add(1, Ordering::SeqCst);
+                        return;
                     };
                     let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
                     let length: usize = head
@@ -616,46 +607,33 @@ async fn a_2xx_sent_before_the_body_was_read_keeps_its_key_when_the_upstream_hol
 /// next request written after it would never be read.
 #[tokio::test]
 async fn a_connection_that_answered_before_the_body_went_whole_is_not_reused() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let connections = Arc::new(AtomicUsize::new(0));
-    let count = connections.clone();
-    tokio::spawn(async move {
-        loop {
-            let (mut socket, _) = listener.accept().await.unwrap();
-            count.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                let mut read = Vec::new();
-                while !read.windows(4).any(|w| w == b"\r\n\r\n") {
-                    let mut chunk = [0u8; 4096];
-                    match socket.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => read.extend_from_slice(&chunk[..n]),
-                    }
-                }
-                if read.starts_with(b"POST /upload ") {
-                    let answer = b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 9\r\n\r\ntoo large";
-                    let _ = socket.write_all(answer).await;
-                    // Most of the body, then nothing more read: the rest
-                    // fits in the sockets' buffers, and its write ends.
-                    let mut taken = 0;
-                    while taken < 14 << 20 {
-                        let mut chunk = [0u8; 65536];
-                        match socket.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => taken += n,
-                        }
-                    }
-                    tokio::time::sleep(Duration::from_secs(30)).await;
-                } else {
-                    let _ = socket
-                        .write_all(b"HTTP/1.1 201 Created\r\ncontent-length: 7\r\n\r\norder-1")
-                        .await;
-                    tokio::time::sleep(Duration::from_secs(30)).await;
-                }
-            });
+    let (url, connections) = counting_upstream(|mut socket| async move {
+        let mut read = Vec::new();
+        if head_end(&mut socket, &mut read).await.is_none() {
+            return;
         }
-    });
+        if read.starts_with(b"POST /upload ") {
+            let answer = b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 9\r\n\r\ntoo large";
+            let _ = socket.write_all(answer).await;
+            // Most of the body, then nothing more read: the rest
+            // fits in the sockets' buffers, and its write ends.
+            let mut taken = 0;
+            while taken < 14 << 20 {
+                let mut chunk = [0u8; 65536];
+                match socket.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => taken += n,
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        } else {
+            let _ = socket
+                .write_all(b"HTTP/1.1 201 Created\r\ncontent-length: 7\r\n\r\norder-1")
+                .await;
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        }
+    })
+    .await;
     let routes = "[server]\nmax_request_body = \"32MiB\"\n[[route]]\nname = \"upload\"\npath = \"/upload\"\n";
     let proxy = Proxy::start(
         &url,
@@ -678,50 +656,32 @@ async fn a_connection_that_answered_before_the_body_went_whole_is_not_reused() {
 /// claimed request would keep that answer under its key.
 #[tokio::test]
 async fn a_connection_that_answered_an_error_to_a_request_with_a_body_is_not_reused() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let connections = Arc::new(AtomicUsize::new(0));
-    let count = connections.clone();
-    tokio::spawn(async move {
+    let (url, connections) = counting_upstream(|mut socket| async move {
+        // A keep-alive server that reads heads only: a body it does not
+        // read stays in front of the next head.
+        let mut read = Vec::new();
         loop {
-            let (mut socket, _) = listener.accept().await.unwrap();
-            count.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                // A keep-alive server that reads heads only: a body it does
-                // not read stays in front of the next head.
-                let mut read = Vec::new();
-                loop {
-                    let end = loop {
-                        if let Some(end) = read.windows(4).position(|w| w == b"\r\n\r\n") {
-                            break end + 4;
-                        }
-                        let mut chunk = [0u8; 4096];
-                        match socket.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => read.extend_from_slice(&chunk[..n]),
-                        }
-                    };
-                    let head: Vec<u8> = read.drain(..end).collect();
-                    let answer: &[u8] = if head.starts_with(b"POST /upload ") {
-                        b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 6\r\n\r\nwho?\r\n"
-                    } else if head.starts_with(b"POST /v1/orders ") {
-                        read.drain(..2.min(read.len()));
-                        b"HTTP/1.1 201 Created\r\ncontent-length: 7\r\n\r\norder-1"
-                    } else {
-                        let _ = socket
-                            .write_all(
-                                b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\ncontent-length: 7\r\n\r\ngarbage",
-                            )
-                            .await;
-                        return;
-                    };
-                    if socket.write_all(answer).await.is_err() {
-                        return;
-                    }
-                }
-            });
+            let Some(end) = head_end(&mut socket, &mut read).await else {
+                return;
+            };
+            let head: Vec<u8> = read.drain(..end).collect();
+            let answer: &[u8] = if head.starts_with(b"POST /upload ") {
+                b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 6\r\n\r\nwho?\r\n"
+            } else if head.starts_with(b"POST /v1/orders ") {
+                read.drain(..2.min(read.len()));
+                b"HTTP/1.1 201 Created\r\ncontent-length: 7\r\n\r\norder-1"
+            } else {
+                let _ = socket
+                    .write_all(b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\ncontent-length: 7\r\n\r\ngarbage")
+                    .await;
+                return;
+            };
+            if socket.write_all(answer).await.is_err() {
+                return;
+            }
         }
-    });
+    })
+    .await;
     let routes = "[[route]]\nname = \"upload\"\npath = \"/upload\"\n";
     let proxy = Proxy::start(&url, &format!("[server]\nworkers = 1\n{routes}{}", support::ORDERS)).await;
     let client = TestClient::default();
@@ -731,6 +691,42 @@ async fn a_connection_that_answered_an_error_to_a_request_with_a_body_is_not_reu
     assert_eq!(order.status, StatusCode::CREATED, "{}", order.text());
     assert_eq!(order.text(), "order-1");
     assert_eq!(connections.load(Ordering::SeqCst), 2);
+}
+
+/// A raw upstream on a loopback port of its own (its URL returned) that
+/// serves each connection with `serve`, and counts them.
+async fn counting_upstream<F, Served>(serve: F) -> (String, Arc<AtomicUsize>)
+where
+    F: Fn(tokio::net::TcpStream) -> Served + Send + 'static,
+    Served: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let connections = Arc::new(AtomicUsize::new(0));
+    let count = connections.clone();
+    tokio::spawn(async move {
+        loop {
+            let (socket, _) = listener.accept().await.unwrap();
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(serve(socket));
+        }
+    });
+    (url, connections)
+}
+
+/// Reads from `socket` onto `read` until it holds a whole head; where the
+/// head ends, or `None` once the connection closes first.
+async fn head_end(socket: &mut tokio::net::TcpStream, read: &mut Vec<u8>) -> Option<usize> {
+    loop {
+        if let Some(end) = read.windows(4).position(|w| w == b"\r\n\r\n") {
+            return Some(end + 4);
+        }
+        let mut chunk = [0u8; 4096];
+        match socket.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => read.extend_from_slice(&chunk[..n]),
+        }
+    }
 }
 
 /// What an upstream sends once it has read a body of this many bytes.
@@ -838,31 +834,18 @@ async fn an_early_answer_after_an_interim_one_is_read_while_the_upstream_holds_o
 /// the body unread, which resets the connection while the request is
 /// still being written; with how many requests it took.
 async fn answering_early(answer: &'static [u8], holds_on: bool) -> (Proxy, Arc<AtomicUsize>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let requests = Arc::new(AtomicUsize::new(0));
-    let count = requests.clone();
-    tokio::spawn(async move {
-        loop {
-            let (mut socket, _) = listener.accept().await.unwrap();
-            count.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                let mut head = Vec::new();
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    let mut chunk = [0u8; 4096];
-                    match socket.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&chunk[..n]),
-                    }
-                }
-                let _ = socket.write_all(answer).await;
-                if holds_on {
-                    tokio::time::sleep(Duration::from_secs(60)).await;
-                }
-                // Dropped with the body unread: the kernel resets the connection.
-            });
+    // One request a connection.
+    let (url, requests) = counting_upstream(move |mut socket| async move {
+        if head_end(&mut socket, &mut Vec::new()).await.is_none() {
+            return;
         }
-    });
+        let _ = socket.write_all(answer).await;
+        if holds_on {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        }
+        // Dropped with the body unread: the kernel resets the connection.
+    })
+    .await;
     let proxy = Proxy::start(
         &url,
         r#"

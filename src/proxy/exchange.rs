@@ -941,17 +941,10 @@ impl Exchange {
                 let headers: SmallVec<[_; 16]> = kept_headers(&head.headers, policy).collect();
                 kept(early_len > limit, status, &headers, &early)
             });
-            // Recorded before the client holds the whole answer (SPEC §3.5),
-            // or not given it at all where a retry could be (see
-            // `ClaimGuard::complete`): a proxy that stopped before the
-            // completion's retry lands would lose an answer it gave.
-            let replayable = outcome.as_ref().is_some_and(Outcome::is_response);
-            if !settle(guard, policy, outcome).await && replayable && !deliver_unrecorded {
-                held_back(&live, &key);
+            if !settle_answer(guard, &live, outcome, deliver_unrecorded).await {
                 let _ = reply.send(Problem::AnswerUnrecorded.response());
                 return;
             }
-            counters.count_noted(TelemetryOutcome::Forwarded);
             let body = match early.len() {
                 0 | 1 => early.pop().unwrap_or_default(),
                 _ => early.concat().into(),
@@ -1015,14 +1008,10 @@ impl Exchange {
             let headers: SmallVec<[_; 16]> = headers.iter().map(|(name, value)| (name, value)).collect();
             kept(recorder.over_limit, status, &headers, &[recorder.body.freeze()])
         });
-        let replayable = outcome.as_ref().is_some_and(Outcome::is_response);
-        // The held byte goes only with the record, where it can be
-        // recorded (as above).
-        if !settle(guard, policy, outcome).await && replayable && !deliver_unrecorded {
-            held_back(&live, &key);
+        // The held byte goes only with the record.
+        if !settle_answer(guard, &live, outcome, deliver_unrecorded).await {
             return abort(client, "the answer could not be recorded");
         }
-        counters.count_noted(TelemetryOutcome::Forwarded);
         if let Some(tx) = client {
             if let Some(last) = held
                 && tokio::time::timeout(client_timeout, tx.send(Frame::data(last))).await != Ok(Ok(()))
@@ -1074,15 +1063,33 @@ impl Relay {
     }
 }
 
-/// Counts and logs (a line a second at most: a store that fails does so for
-/// every exchange in flight) an answer held back from its client, as its
-/// record did not land (see [`ClaimGuard::complete`]).
-fn held_back(live: &LiveRoute, key: &RecordKey) {
+/// Settles an answer that came whole from the upstream ([`settle`]) and
+/// counts it; whether its client gets it. The record comes before the
+/// client holds the whole answer (SPEC §3.5): one the store failed, and
+/// may still take (see [`ClaimGuard::complete`]), is held back, as a
+/// proxy stopped before the completion's retry lands would lose an answer
+/// it gave; but for one never replayed (not kept, or over
+/// `max_response_body`), or when `deliver_unrecorded`.
+async fn settle_answer(
+    guard: ClaimGuard,
+    live: &LiveRoute,
+    outcome: Option<Outcome>,
+    deliver_unrecorded: bool,
+) -> bool {
+    let key = guard.key;
+    let replayable = outcome.as_ref().is_some_and(Outcome::is_response);
+    if settle(guard, &live.route.policy, outcome).await || !replayable || deliver_unrecorded {
+        live.counters.count_noted(TelemetryOutcome::Forwarded);
+        return true;
+    }
+    // A line a second at most: a store that fails does so for every
+    // exchange in flight.
     static THROTTLE: telemetry::Throttle = telemetry::Throttle::new();
     live.counters.count(TelemetryOutcome::StoreError);
     if let Some(suppressed) = THROTTLE.admit() {
         tracing::warn!(route = %live.route.name, key = %key.tag(), suppressed, "the answer is held back from the client: its record did not land (a retry gets it once it does)");
     }
+    false
 }
 
 /// Completes the record with `outcome`, or releases the claim when nothing
